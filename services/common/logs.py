@@ -1,0 +1,40 @@
+"""Logging setup: readable text lines by default, one JSON object per line with --log-format json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "service": getattr(record, "service", None) or logging.getLogger().name,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key in ("request_id", "trace_id"):
+            if hasattr(record, key):
+                out[key] = getattr(record, key)
+        extra = getattr(record, "fields", None)
+        if isinstance(extra, dict):
+            out.update(extra)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def setup_logging(service: str, level: str = "info", fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("grpc").setLevel(logging.WARNING)

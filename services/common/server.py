@@ -1,0 +1,60 @@
+"""gRPC server plumbing every service shares: options, health service, reflection."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Handshakes carry tokenizer files (a few MB); allow far more than gRPC's 4 MB default.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.so_reuseport", 0),
+]
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def new_server(interceptors=()) -> grpc.aio.Server:
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+
+
+def insecure_channel(addr: str, interceptors=()) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+
+
+class Health:
+    """The standard health service; status applies to "" and to each named service."""
+
+    def __init__(self, server: grpc.aio.Server, service_names: list[str]):
+        self._servicer = health.aio.HealthServicer()
+        self._names = ["", *service_names]
+        health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+        self.set(False)
+
+    def set(self, serving: bool) -> None:
+        for name in self._names:
+            self._servicer.set(name, SERVING if serving else NOT_SERVING)
+
+
+def add_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind host:port and return the bound port (useful with port 0 in tests)."""
+    addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_insecure_port(addr)
+    if bound == 0:
+        raise OSError(f"cannot bind {addr}: address in use or not available")
+    return bound

@@ -1,0 +1,22 @@
+"""Attention backends: ``torch`` (CPU and CUDA) and ``triton`` (CUDA; CPU only through the interpreter)."""
+
+from __future__ import annotations
+
+from .base import AttentionBackend, AttentionMetadata
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]
+
+
+def get_backend(name: str, device: str) -> AttentionBackend:
+    """``auto`` picks triton on CUDA and torch elsewhere."""
+    if name == "auto":
+        name = "triton" if device.startswith("cuda") else "torch"
+    if name == "torch":
+        from .torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from .triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or triton)")
