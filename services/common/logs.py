@@ -38,3 +38,16 @@ def setup_logging(service: str, level: str = "info", fmt: str = "text") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("grpc").setLevel(logging.WARNING)
+
+
+class RequestLog(logging.LoggerAdapter):
+    """A logger that tags every line with the request id (a field in JSON, a prefix in text)."""
+
+    def process(self, msg, kwargs):
+        rid = self.extra["request_id"]
+        kwargs.setdefault("extra", {})["request_id"] = rid
+        return f"[{rid}] {msg}", kwargs
+
+
+def request_log(logger: logging.Logger, request_id: str) -> RequestLog:
+    return RequestLog(logger, {"request_id": request_id})
