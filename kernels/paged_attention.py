@@ -1,0 +1,207 @@
+"""Paged attention over a flat varlen batch: prefill chunks and decodes in one launch.
+
+Request i owns query rows ``query_start_loc[i] : query_start_loc[i+1]``; they are the last
+``q_len_i`` positions of its ``seq_lens[i]`` tokens, whose keys and values are already in the
+paged cache (written by ``kv_cache_write`` earlier in the step). Attention is causal within
+the new tokens and full over the cached ones.
+
+One program handles ``BLOCK_Q`` consecutive query tokens of one request and *all* query heads
+that share one KV head (grouped-query attention), packed as ``BLOCK_M`` rows
+(row = query_token * QUERIES_PER_KV + head_in_group). A decode row block therefore reads each
+KV tile once for the whole head group, and ``tl.dot`` gets at least 16 rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+# Finite stand-in for -inf as the running max: exp2(NEG_BIG - NEG_BIG) is 1, not NaN.
+_NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
+    """Largest seq index i with first_tile(i) <= tile_id, first_tile(i) = qsl[i] // BLOCK_Q + i.
+
+    first_tile is increasing and gives request i at least cdiv(q_len_i, BLOCK_Q) tiles, so the
+    grid needs num_tokens // BLOCK_Q + num_seqs programs, known on the host without a sync.
+    """
+    lo = 0
+    hi = num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile_id:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    scale,  # float32 softmax scale
+    num_seqs,
+    stride_out_t,
+    stride_out_h,
+    stride_q_t,
+    stride_q_h,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_head,
+    stride_bt_seq,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_DIM; lanes past HEAD_DIM are masked
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block
+    QUERIES_PER_KV: tl.constexpr,  # num_heads // num_kv_heads
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # rows per program, power of two >= BLOCK_Q * QUERIES_PER_KV
+    TILE_N: tl.constexpr,  # keys per inner iteration (any multiple or divisor of BLOCK_SIZE)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no tf32 rounding), else "tf32" (unused for 16-bit)
+):
+    tile_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    seq_idx = _find_seq(query_start_loc_ptr, num_seqs, tile_id, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq_idx)
+    q_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
+    q_tile_start = (tile_id - (q_start // BLOCK_Q + seq_idx)) * BLOCK_Q  # within the request
+    if q_tile_start >= q_len:
+        return  # a spare tile of the over-provisioned grid
+    seq_len = tl.load(seq_lens_ptr + seq_idx)
+    num_cached = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_local = q_tile_start + rows // QUERIES_PER_KV  # query token within the request
+    head = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    row_valid = (rows < BLOCK_Q * QUERIES_PER_KV) & (q_local < q_len)
+    q_pos = num_cached + q_local  # [BLOCK_M] position in the sequence, for the causal mask
+    dims = tl.arange(0, HEAD_PAD)
+    dim_valid = dims < HEAD_DIM
+
+    token = (q_start + q_local).to(tl.int64)
+    q_offsets = token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :]
+    q_mask = row_valid[:, None] & dim_valid[None, :]
+    q = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_PAD]
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)  # running max of log2-scaled scores
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    qk_scale = scale * _LOG2E  # softmax through exp2
+
+    # Keys this tile can see: every cached token plus the new ones up to its last query.
+    num_keys = num_cached + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    block_table = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_seq
+    cols = tl.arange(0, TILE_N)
+    for key_start in range(0, num_keys, TILE_N):
+        key_pos = key_start + cols  # [TILE_N]
+        key_valid = key_pos < num_keys
+        # int64 before the multiply: block_id * stride_k_block passes 2**31 on large caches.
+        block_id = tl.load(block_table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        slot = (key_pos % BLOCK_SIZE).to(tl.int64)
+        kv_mask = key_valid[None, :] & dim_valid[:, None]
+        k_offsets = block_id[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
+        k = tl.load(k_cache_ptr + k_offsets + dims[:, None], mask=kv_mask, other=0.0)  # [HEAD_PAD, TILE_N]
+        v_offsets = block_id[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
+        v = tl.load(v_cache_ptr + v_offsets + dims[None, :], mask=tl.trans(kv_mask), other=0.0)  # [TILE_N, HEAD_PAD]
+
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        causal = key_pos[None, :] <= q_pos[:, None]
+        s = tl.where(causal & key_valid[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, TILE_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Every valid row saw key 0 (positions start at 0 and key 0 <= q_pos), so l_i > 0 there.
+    out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
+    out_offsets = token[:, None] * stride_out_t + head[:, None] * stride_out_h + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _rows_per_program(queries_per_kv: int, max_query_len: int) -> int:
+    """16 rows (tl.dot's minimum) for decode-only steps, wider tiles when prefill chunks are present."""
+    base = 16 if max_query_len <= 1 else 64
+    return max(base, triton.next_power_of_2(queries_per_kv))
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length after this step
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    tile_n: int = 32,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Attention of each new token over its request's cached and new keys (already in the cache)."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"cache shape {tuple(k_cache.shape)} does not fit query head_dim {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if not (query.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(f"dtype mismatch: query {query.dtype}, cache {k_cache.dtype}/{v_cache.dtype}")
+    if query.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("head_dim must be the contiguous dimension of query and caches")
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    queries_per_kv = num_heads // num_kv_heads
+    block_m = _rows_per_program(queries_per_kv, max_query_len)
+    block_q = block_m // queries_per_kv
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    paged_attention_kernel[grid](
+        out_ptr=out,
+        query_ptr=query,
+        k_cache_ptr=k_cache,
+        v_cache_ptr=v_cache,
+        block_tables_ptr=block_tables,
+        query_start_loc_ptr=query_start_loc,
+        seq_lens_ptr=seq_lens,
+        scale=float(scale),
+        num_seqs=num_seqs,
+        stride_out_t=out.stride(0),
+        stride_out_h=out.stride(1),
+        stride_q_t=query.stride(0),
+        stride_q_h=query.stride(1),
+        stride_k_block=k_cache.stride(0),
+        stride_k_slot=k_cache.stride(1),
+        stride_k_head=k_cache.stride(2),
+        stride_v_block=v_cache.stride(0),
+        stride_v_slot=v_cache.stride(1),
+        stride_v_head=v_cache.stride(2),
+        stride_bt_seq=block_tables.stride(0),
+        HEAD_DIM=head_dim,
+        HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        QUERIES_PER_KV=queries_per_kv,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=tile_n,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    return out
