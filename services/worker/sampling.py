@@ -1,0 +1,193 @@
+"""Batched sampling over one step's logits: greedy, temperature, min-p / top-k / top-p, penalties,
+per-request seeds and top-n logprobs.
+
+Order per row (as vLLM): penalties on the raw logits -> temperature -> min-p -> top-k -> top-p -> sample.
+Greedy rows take the argmax of the penalised logits. Random rows use the exponential race:
+argmax(probs / E) with E ~ Exp(1) i.i.d. per token, which picks token i with probability probs[i].
+The noise of a seeded request's output token k comes from a generator seeded with mix(seed, k),
+so its tokens depend only on the seed, the logits and the position: not on batch companions,
+and not on whether the request was preempted and resumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvgrid.v1 import common_pb2
+from services.worker.penalties import apply_penalties, gather_penalty_state, penalty_params
+from services.worker.sampling_params import RequestSampling
+
+__all__ = ["RequestSampling", "Sampler", "SamplerOutput", "position_seed"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """Generator seed for output token ``position`` of a request seeded with ``seed`` (63 bits, torch-safe)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 1
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per logits row
+    logprobs: list[common_pb2.TokenLogprob | None]  # None for rows that asked for no logprobs
+
+
+class Sampler:
+    """Samples one token per logits row; row i belongs to ``requests[i]``.
+
+    Unseeded requests share one generator, seeded from ``seed`` or else from the first
+    ``default_seed`` a request carries (the worker's --seed); with neither it is seeded at random.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device, seed: int | None = None):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._shared = torch.Generator(device=self.device)
+        self._shared_seeded = seed is not None
+        if seed is None:
+            self._shared.seed()
+        else:
+            self._shared.manual_seed(seed & _MASK64)
+        self._positional = torch.Generator(device=self.device)  # reseeded for every seeded row
+
+    def __call__(self, logits: torch.Tensor, requests: list[RequestSampling]) -> SamplerOutput:
+        """logits: [num_rows, >= vocab_size] in any float dtype; columns past vocab_size (padding) are ignored."""
+        if logits.shape[0] != len(requests) or logits.shape[-1] < self.vocab_size:
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} rows x {self.vocab_size}")
+        logits = logits[:, : self.vocab_size]
+        if all(r.plain_greedy for r in requests):
+            # Hot path: one argmax over the batch; argmax needs no float32 upcast.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+        return self._sample_full(logits.to(torch.float32, copy=True), requests)
+
+    def _sample_full(self, logits: torch.Tensor, requests: list[RequestSampling]) -> SamplerOutput:
+        logprob_rows = [i for i, r in enumerate(requests) if r.num_logprobs > 0]
+        penalised_rows = [i for i, r in enumerate(requests) if r.penalised]
+        random_rows = [i for i, r in enumerate(requests) if not r.greedy]
+
+        raw_logprobs = None  # [L, vocab]: log-softmax of the raw logits of the rows asking for logprobs
+        if logprob_rows:
+            raw_logprobs = torch.log_softmax(logits[self._index(logprob_rows)], dim=-1)
+        if penalised_rows:
+            index = self._index(penalised_rows)
+            penalised = [requests[i] for i in penalised_rows]
+            counts, prompt_mask = gather_penalty_state(penalised, self.vocab_size, self.device)
+            any_repetition = any(r.repetition_penalty != 1.0 for r in penalised)
+            params = penalty_params(penalised, self.device)
+            logits[index] = apply_penalties(logits[index], counts, prompt_mask, params, any_repetition)
+
+        tokens = logits.argmax(dim=-1)  # [num_rows]; random rows are overwritten below
+        if random_rows:
+            index = self._index(random_rows)
+            tokens[index] = self._sample_random(logits[index], [requests[i] for i in random_rows])
+
+        token_ids = tokens.tolist()
+        logprobs: list[common_pb2.TokenLogprob | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            chosen = tokens[self._index(logprob_rows)]
+            entries = _top_logprobs(raw_logprobs, chosen, requests, logprob_rows)
+            for row, entry in zip(logprob_rows, entries, strict=True):
+                logprobs[row] = entry
+        return SamplerOutput(token_ids, logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[RequestSampling]) -> torch.Tensor:
+        """logits: [R, vocab] float32 (a copy; changed in place) -> sampled ids [R] int64."""
+        num_rows, vocab = logits.shape
+        # columns: temperature, top_p (> 1 means off), min_p, top_k (vocab means off)
+        values = [[r.temperature, r.top_p if r.top_p < 1.0 else 2.0, r.min_p, r.top_k or vocab] for r in requests]
+        params = torch.tensor(values, dtype=torch.float32, device=self.device)
+        logits.div_(params[:, 0:1])
+        if any(r.min_p > 0.0 for r in requests):
+            _apply_min_p(logits, params[:, 2])
+        top_k = params[:, 3].long().clamp_(1, vocab)
+        if any(r.top_p < 1.0 for r in requests):
+            logits = _apply_top_k_top_p(logits, top_k, params[:, 1])
+        elif any(0 < r.top_k < vocab for r in requests):
+            _apply_top_k(logits, top_k, max(r.top_k for r in requests if 0 < r.top_k < vocab))
+        probs = logits.softmax(dim=-1)
+        noise = self._noise(num_rows, vocab, requests)
+        return probs.div_(noise).argmax(dim=-1)
+
+    def _noise(self, num_rows: int, vocab: int, requests: list[RequestSampling]) -> torch.Tensor:
+        """Exp(1) noise [R, vocab]; a seeded row's noise depends only on (seed, position, vocab)."""
+        noise = torch.empty(num_rows, vocab, dtype=torch.float32, device=self.device)
+        if any(r.seed is None for r in requests):
+            self._seed_shared(requests)
+            noise.exponential_(generator=self._shared)
+        for row, r in enumerate(requests):
+            if r.seed is not None:
+                self._positional.manual_seed(position_seed(r.seed, r.num_output_tokens))
+                noise[row].exponential_(generator=self._positional)
+        # exponential_ can return exactly 0; a zero would turn a masked token's 0 / 0 into NaN.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _seed_shared(self, requests: list[RequestSampling]) -> None:
+        if self._shared_seeded:
+            return
+        default_seed = next((r.default_seed for r in requests if r.default_seed is not None), None)
+        if default_seed is not None:
+            self._shared.manual_seed(default_seed & _MASK64)
+            self._shared_seeded = True
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Drop tokens with prob < min_p * max prob, i.e. logit < max logit + log(min_p). logits: [R, vocab]."""
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+    logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_k: int) -> None:
+    """Keep the top_k [R] largest logits per row (ties with the k-th are kept); top_k == vocab is off."""
+    vocab = logits.shape[-1]
+    top_values = logits.topk(max_k, dim=-1).values  # [R, max_k], best first
+    kth = top_values.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
+    kth.masked_fill_((top_k >= vocab).unsqueeze(1), float("-inf"))
+    logits.masked_fill_(logits < kth, float("-inf"))
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k, then top-p over the renormalised survivors: keep the smallest best-first set whose
+    probability reaches top_p, i.e. token i survives while the mass strictly before it is < top_p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, vocab]
+    positions = torch.arange(logits.shape[-1], device=logits.device)
+    sorted_logits.masked_fill_(positions.unsqueeze(0) >= top_k.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # The best token always survives: its mass_before is 0 and top_p > 0.
+    sorted_logits.masked_fill_(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def _top_logprobs(
+    raw_logprobs: torch.Tensor, chosen: torch.Tensor, requests: list[RequestSampling], rows: list[int]
+) -> list[common_pb2.TokenLogprob]:
+    """raw_logprobs [L, vocab], chosen [L] sampled ids -> one TokenLogprob per row, top-n best first."""
+    max_n = min(max(requests[i].num_logprobs for i in rows), raw_logprobs.shape[-1])
+    top_values, top_ids = raw_logprobs.topk(max_n, dim=-1)
+    chosen_values = raw_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    top_values, top_ids, chosen_values, chosen_ids = (
+        top_values.tolist(),
+        top_ids.tolist(),
+        chosen_values.tolist(),
+        chosen.tolist(),
+    )
+    entries = []
+    for j, row in enumerate(rows):
+        n = requests[row].num_logprobs
+        pairs = zip(top_ids[j][:n], top_values[j][:n], strict=True)
+        top = [common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in pairs]
+        entries.append(common_pb2.TokenLogprob(token_id=chosen_ids[j], logprob=chosen_values[j], top=top))
+    return entries

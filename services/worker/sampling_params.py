@@ -1,0 +1,105 @@
+"""Per-request sampling state: resolved parameters, the output position, and penalty counts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvgrid.v1 import common_pb2
+
+# Temperatures below this sample like greedy: softmax(logits / T) is one-hot long before T reaches 0.
+GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20
+# Penalty counts live on the device; tokens appended since are kept in a short list and added each step.
+# Past this many, the request's device counts are rewritten so the per-step list stays short.
+PENDING_FLUSH_LIMIT = 64
+
+
+@dataclass(slots=True)
+class RequestSampling:
+    """Sampling state the worker keeps for one request for the request's whole life.
+
+    Build with ``create`` (proto3 zeros resolved to defaults); call ``append`` for each sampled token.
+    """
+
+    temperature: float  # 0.0: greedy
+    top_p: float  # 1.0: off
+    top_k: int  # 0: off
+    min_p: float  # 0.0: off
+    seed: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float  # 1.0: off
+    num_logprobs: int  # 0: none
+    # Index of the next output token: the seeded noise depends on it, so it survives preemption.
+    num_output_tokens: int
+    # Seed for the sampler-wide generator that unseeded requests share (the worker's --seed).
+    default_seed: int | None = None
+    # Penalty state, only for penalised requests. Until the sampler first sees the request
+    # prompt_token_ids holds the prompt; pending_token_ids holds outputs not yet in output_counts.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    pending_token_ids: list[int] = field(default_factory=list)
+    prompt_mask: torch.Tensor | None = None  # [vocab] bool, token occurs in the prompt
+    output_counts: torch.Tensor | None = None  # [vocab] int32, times each token was generated
+
+    @classmethod
+    def create(
+        cls,
+        params: common_pb2.SamplingParams,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        default_seed: int | None = None,
+    ) -> RequestSampling:
+        """``output_token_ids`` is non-empty for a request resumed after preemption: they count for
+        penalties and for the position of the seeded noise."""
+        temperature = params.temperature if params.temperature >= GREEDY_TEMPERATURE else 0.0
+        top_p = params.top_p if 0.0 < params.top_p < 1.0 else 1.0
+        repetition = params.repetition_penalty if params.repetition_penalty > 0.0 else 1.0
+        state = cls(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=max(params.top_k, 0),
+            min_p=min(max(params.min_p, 0.0), 1.0),
+            seed=params.seed if params.HasField("seed") else None,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=repetition,
+            num_logprobs=min(params.logprobs, MAX_LOGPROBS),
+            num_output_tokens=len(output_token_ids),
+            default_seed=default_seed,
+        )
+        if state.penalised:
+            state.prompt_token_ids = list(prompt_token_ids)
+            state.pending_token_ids = list(output_token_ids)
+        return state
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits is this request's whole sampling step."""
+        return self.temperature == 0.0 and self.num_logprobs == 0 and not self.penalised
+
+    def append(self, token_id: int) -> None:
+        """Record a token sampled for this request (the worker calls this once per sampled token)."""
+        self.num_output_tokens += 1
+        if self.penalised:
+            self.pending_token_ids.append(token_id)
+
+    def materialize(self, vocab_size: int, device: torch.device) -> None:
+        """Create the device penalty state on first use; ids outside the vocabulary are ignored."""
+        if self.output_counts is not None:
+            return
+        prompt = [t for t in self.prompt_token_ids if 0 <= t < vocab_size]
+        self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        if prompt:
+            self.prompt_mask[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+        self.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+        self.prompt_token_ids = []

@@ -1,0 +1,365 @@
+"""The batched sampler on random logits: greedy, filters, penalties, seeds, distribution, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvgrid.v1 import common_pb2
+from services.worker.penalties import apply_penalties, gather_penalty_state, penalty_params
+from services.worker.sampling import RequestSampling, Sampler
+from services.worker.sampling_params import PENDING_FLUSH_LIMIT
+
+CPU = torch.device("cpu")
+
+
+def params(**fields) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(**fields)
+
+
+def request(prompt: list[int] | None = None, outputs: list[int] | None = None, **fields) -> RequestSampling:
+    return RequestSampling.create(params(**fields), prompt or [], outputs or [])
+
+
+def logits_from_probs(probs: list[float], rows: int) -> torch.Tensor:
+    """[rows, len(probs)] logits whose softmax is probs."""
+    return torch.tensor(probs, dtype=torch.float32).log().expand(rows, -1).contiguous()
+
+
+def sample_many(sampler: Sampler, logits: torch.Tensor, **fields) -> torch.Tensor:
+    """One call with one unseeded request per row; the draws are independent."""
+    out = sampler(logits, [request(**fields) for _ in range(logits.shape[0])])
+    return torch.tensor(out.token_ids)
+
+
+# --- greedy and the temperature limit ---
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_is_argmax(dtype):
+    logits = torch.randn(16, 100, generator=torch.Generator().manual_seed(0)).to(dtype)
+    out = Sampler(100, CPU)(logits, [request() for _ in range(16)])
+    assert out.token_ids == logits.float().argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * 16
+
+
+def test_padding_columns_past_vocab_are_ignored():
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(1))
+    logits[:, 32:] = 100.0
+    sampler = Sampler(32, CPU)
+    assert sampler(logits, [request() for _ in range(4)]).token_ids == logits[:, :32].argmax(-1).tolist()
+    assert all(t < 32 for t in sampler(logits, [request(temperature=1.0) for _ in range(4)]).token_ids)
+
+
+def test_greedy_rows_in_a_mixed_batch_take_the_argmax():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
+    reqs = [request(), request(temperature=1.0), request(logprobs=2), request(temperature=0.5, seed=3), request()]
+    reqs.append(request(top_k=5))  # top_k without temperature is still greedy
+    out = Sampler(50, CPU)(logits, reqs)
+    argmax = logits.argmax(-1).tolist()
+    for row in (0, 2, 4, 5):
+        assert out.token_ids[row] == argmax[row]
+
+
+def test_low_temperature_approaches_greedy():
+    # Logit gaps of at least 0.1 at T = 1e-3 make every other token's probability below e^-100.
+    base = torch.randperm(200, generator=torch.Generator().manual_seed(3)).float() * 0.1
+    logits = base.expand(500, -1).contiguous()
+    tokens = sample_many(Sampler(200, CPU, seed=0), logits, temperature=1e-3)
+    assert (tokens == base.argmax()).all()
+    # Below the greedy threshold the request is greedy outright.
+    assert request(temperature=1e-7).greedy
+    assert not request(temperature=1e-3).greedy
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(300, 64, generator=torch.Generator().manual_seed(4))
+    tokens = sample_many(Sampler(64, CPU, seed=1), logits, temperature=1.5, top_k=1)
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+# --- filters: every draw stays in the kept set, and the kept set is all reachable ---
+
+
+def shuffled(probs: list[float], seed: int) -> tuple[list[float], list[int]]:
+    """probs in a random column order, and the original index -> column map."""
+    order = torch.randperm(len(probs), generator=torch.Generator().manual_seed(seed)).tolist()
+    out = [0.0] * len(probs)
+    for i, column in enumerate(order):
+        out[column] = probs[i]
+    return out, order
+
+
+def test_top_p_keeps_exactly_the_nucleus():
+    # Best-first masses 0.4, 0.65, 0.8, ...: top_p 0.7 needs the three best tokens.
+    probs, column = shuffled([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02], seed=5)
+    tokens = sample_many(Sampler(7, CPU, seed=2), logits_from_probs(probs, 4000), temperature=1.0, top_p=0.7)
+    nucleus = {column[0], column[1], column[2]}
+    assert set(tokens.tolist()) == nucleus
+    # The survivors are renormalised: 0.4 / 0.8 = 0.5 of the draws go to the best one.
+    assert abs((tokens == column[0]).float().mean().item() - 0.5) < 0.03
+
+
+def test_top_p_boundary_includes_the_token_that_reaches_it():
+    probs, column = shuffled([0.5, 0.3, 0.2], seed=6)
+    tokens = sample_many(Sampler(3, CPU, seed=3), logits_from_probs(probs, 2000), temperature=1.0, top_p=0.75)
+    assert set(tokens.tolist()) == {column[0], column[1]}
+
+
+def test_top_k_keeps_the_k_best():
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(7)) * 0.3
+    tokens = sample_many(Sampler(64, CPU, seed=4), logits.expand(3000, -1).contiguous(), temperature=1.0, top_k=4)
+    assert set(tokens.tolist()) == set(logits.topk(4).indices.tolist())
+
+
+def test_min_p_drops_tokens_below_the_cut():
+    # max prob 0.35, min_p 0.2: tokens below 0.07 go.
+    probs, column = shuffled([0.35, 0.25, 0.2, 0.1, 0.05, 0.03, 0.02], seed=8)
+    tokens = sample_many(Sampler(7, CPU, seed=5), logits_from_probs(probs, 4000), temperature=1.0, min_p=0.2)
+    assert set(tokens.tolist()) == {column[i] for i in range(4)}
+
+
+def test_filters_combine_per_row():
+    probs, column = shuffled([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02], seed=9)
+    sampler = Sampler(7, CPU, seed=6)
+    kinds = [dict(top_k=2), dict(top_p=0.5), dict(min_p=0.3), dict()]
+    seen: list[set[int]] = [set() for _ in kinds]
+    for _ in range(300):
+        reqs = [request(temperature=1.0, **kind) for kind in kinds]
+        out = sampler(logits_from_probs(probs, len(kinds)), reqs)
+        for kept, token in zip(seen, out.token_ids, strict=True):
+            kept.add(token)
+    assert seen[0] == {column[0], column[1]}
+    assert seen[1] == {column[0], column[1]}
+    assert seen[2] == {column[0], column[1], column[2]}
+    assert len(seen[3]) >= 6
+
+
+def test_out_of_range_filters_are_off():
+    logits = torch.randn(8, 10, generator=torch.Generator().manual_seed(10))
+    sampler = Sampler(10, CPU, seed=7)
+    # top_k beyond the vocabulary or -1, top_p above 1: plain sampling, and no crash.
+    out = sampler(logits, [request(temperature=1.0, top_k=k) for k in (1000, -1, 0, 10)] * 2)
+    assert all(0 <= t < 10 for t in out.token_ids)
+    assert request(top_k=-1).top_k == 0 and request(top_p=0.0).top_p == 1.0 and request(top_p=1.5).top_p == 1.0
+
+
+# --- the sampled distribution ---
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    observed = torch.bincount(tokens, minlength=probs.numel()).double()
+    expected = probs.double() * tokens.numel()
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+# 99.99% quantile of chi-square with 7 degrees of freedom: a correct sampler fails this 1 time in 10^4.
+CHI2_7DOF_LIMIT = 29.88
+
+
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.7])
+def test_distribution_matches_softmax_over_temperature(temperature):
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
+    tokens = sample_many(Sampler(8, CPU, seed=8), logits.expand(20000, -1).contiguous(), temperature=temperature)
+    assert chi_square(tokens, torch.softmax(logits / temperature, dim=-1)) < CHI2_7DOF_LIMIT
+
+
+def test_seeded_rows_are_distributed_like_softmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
+    rows = 5000
+    reqs = [request(temperature=0.8, seed=seed) for seed in range(rows)]
+    tokens = torch.tensor(Sampler(8, CPU)(logits.expand(rows, -1).contiguous(), reqs).token_ids)
+    assert chi_square(tokens, torch.softmax(logits / 0.8, dim=-1)) < CHI2_7DOF_LIMIT
+
+
+# --- seeds ---
+
+
+def step_logits(step: int, vocab: int = 97) -> torch.Tensor:
+    """The (fixed) logits a request sees at one step, as if from the model."""
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(1000 + step)) * 2.0
+
+
+def companion_logits(step: int, rows: int, vocab: int = 97) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(5000 + step)) * 2.0
+
+
+def run_seeded(
+    sampler: Sampler, fields: dict, steps: range, companions: int, position: int, outputs: list[int]
+) -> list[int]:
+    """Generate len(steps) tokens for one seeded request, at batch row ``position`` among fresh companions."""
+    me = RequestSampling.create(params(**fields), [5, 6, 7], outputs)
+    produced = []
+    companion_kinds = [dict(temperature=1.0), dict(), dict(temperature=0.7, seed=99), dict(top_p=0.5, temperature=1.0)]
+    for step in steps:
+        others = [request(**companion_kinds[i % len(companion_kinds)]) for i in range(companions)]
+        rows = companion_logits(step, companions)
+        logits = torch.cat([rows[:position], step_logits(step).unsqueeze(0), rows[position:]])
+        token = sampler(logits, others[:position] + [me] + others[position:]).token_ids[position]
+        me.append(token)
+        produced.append(token)
+    return produced
+
+
+SEEDED = dict(temperature=1.0, top_p=0.95, seed=1234, frequency_penalty=0.3)
+
+
+def test_same_seed_same_tokens_across_runs():
+    first = run_seeded(Sampler(97, CPU), SEEDED, range(12), companions=0, position=0, outputs=[])
+    again = run_seeded(Sampler(97, CPU), SEEDED, range(12), companions=0, position=0, outputs=[])
+    other_seed = run_seeded(Sampler(97, CPU), {**SEEDED, "seed": 4321}, range(12), 0, 0, [])
+    assert first == again
+    assert first != other_seed
+
+
+@pytest.mark.parametrize(("companions", "position"), [(1, 0), (1, 1), (3, 2), (7, 5)])
+def test_seeded_tokens_do_not_depend_on_batch_companions(companions, position):
+    alone = run_seeded(Sampler(97, CPU, seed=1), SEEDED, range(12), companions=0, position=0, outputs=[])
+    batched = run_seeded(Sampler(97, CPU, seed=2), SEEDED, range(12), companions, position, outputs=[])
+    assert batched == alone
+
+
+def test_seeded_tokens_survive_preemption():
+    straight = run_seeded(Sampler(97, CPU), SEEDED, range(12), companions=2, position=1, outputs=[])
+    # Preempted after 5 tokens: recreated with its outputs, it continues on a fresh batch layout.
+    before = run_seeded(Sampler(97, CPU), SEEDED, range(5), companions=1, position=0, outputs=[])
+    after = run_seeded(Sampler(97, CPU), SEEDED, range(5, 12), companions=3, position=3, outputs=before)
+    assert before + after == straight
+
+
+def test_unseeded_requests_follow_the_worker_seed():
+    logits = torch.randn(6, 97, generator=torch.Generator().manual_seed(11))
+
+    def run(sampler_seed, default_seed):
+        sampler = Sampler(97, CPU, seed=sampler_seed)
+        reqs = [RequestSampling.create(params(temperature=1.0), [], [], default_seed=default_seed) for _ in range(6)]
+        return [sampler(logits, reqs).token_ids for _ in range(5)]
+
+    assert run(7, None) == run(7, None)
+    assert run(None, 7) == run(None, 7) == run(7, None)
+    assert run(None, 7) != run(None, 8)
+
+
+# --- penalties ---
+
+
+def reference_penalties(logits: list[float], prompt: list[int], outputs: list[int], rep, freq, pres) -> list[float]:
+    out = list(logits)
+    for token in set(prompt) | set(outputs):
+        out[token] = out[token] / rep if out[token] > 0 else out[token] * rep
+    for token in set(outputs):
+        out[token] -= freq * outputs.count(token) + pres
+    return out
+
+
+PENALTY_CASES = [
+    dict(repetition_penalty=1.3),
+    dict(frequency_penalty=0.7),
+    dict(presence_penalty=-0.9),
+    dict(repetition_penalty=0.8, frequency_penalty=-0.4, presence_penalty=1.1),
+    dict(frequency_penalty=2.0, presence_penalty=2.0),
+]
+
+
+def test_penalties_match_the_formula():
+    vocab = 30
+    gen = torch.Generator().manual_seed(12)
+    logits = torch.randn(len(PENALTY_CASES), vocab, generator=gen) * 3
+    reqs, expected = [], []
+    for row, case in enumerate(PENALTY_CASES):
+        prompt = torch.randint(0, vocab, (8,), generator=gen).tolist()
+        outputs = torch.randint(0, vocab, (12,), generator=gen).tolist()
+        reqs.append(request(prompt, outputs, **case))
+        rep = case.get("repetition_penalty", 1.0)
+        freq, pres = case.get("frequency_penalty", 0.0), case.get("presence_penalty", 0.0)
+        expected.append(reference_penalties(logits[row].tolist(), prompt, outputs, rep, freq, pres))
+    counts, prompt_mask = gather_penalty_state(reqs, vocab, CPU)
+    got = apply_penalties(logits.clone(), counts, prompt_mask, penalty_params(reqs, CPU))
+    torch.testing.assert_close(got, torch.tensor(expected))
+
+
+def test_penalised_greedy_rows_take_the_argmax_of_the_penalised_logits():
+    vocab = 20
+    gen = torch.Generator().manual_seed(13)
+    for _ in range(20):
+        logits = torch.randn(3, vocab, generator=gen)
+        prompt = torch.randint(0, vocab, (6,), generator=gen).tolist()
+        outputs = torch.randint(0, vocab, (6,), generator=gen).tolist()
+        cases = [dict(repetition_penalty=2.0), dict(frequency_penalty=1.0), dict(presence_penalty=1.5)]
+        out = Sampler(vocab, CPU)(logits, [request(prompt, outputs, **case) for case in cases])
+        for row, case in enumerate(cases):
+            ref = reference_penalties(
+                logits[row].tolist(),
+                prompt,
+                outputs,
+                case.get("repetition_penalty", 1.0),
+                case.get("frequency_penalty", 0.0),
+                case.get("presence_penalty", 0.0),
+            )
+            assert out.token_ids[row] == max(range(vocab), key=ref.__getitem__)
+
+
+def test_append_updates_counts_across_steps_and_flushes():
+    vocab = 10
+    me = request([1, 2], [3], frequency_penalty=1.0)
+    sampler = Sampler(vocab, CPU)
+    outputs = [3]
+    gen = torch.Generator().manual_seed(14)
+    for step in range(3 * PENDING_FLUSH_LIMIT):
+        if step % 5 == 0:  # a step runs the sampler: pending tokens move into device counts
+            sampler(torch.zeros(1, vocab), [me])
+        token = int(torch.randint(0, vocab, (1,), generator=gen))
+        me.append(token)
+        outputs.append(token)
+    counts, prompt_mask = gather_penalty_state([me], vocab, CPU)
+    assert counts[0].tolist() == [outputs.count(t) for t in range(vocab)]
+    assert prompt_mask[0].tolist() == [t in (1, 2) for t in range(vocab)]
+    assert len(me.pending_token_ids) < PENDING_FLUSH_LIMIT
+    assert me.num_output_tokens == len(outputs)
+    # Gathering twice must not count the pending tokens twice.
+    counts_again, _ = gather_penalty_state([me], vocab, CPU)
+    assert counts_again.equal(counts)
+
+
+def test_token_ids_outside_the_vocabulary_are_ignored_by_penalties():
+    me = request([1, 500], [2, 900], repetition_penalty=2.0, frequency_penalty=1.0)
+    counts, prompt_mask = gather_penalty_state([me], 10, CPU)
+    assert counts[0].tolist() == [0, 0, 1] + [0] * 7
+    assert prompt_mask[0].nonzero().flatten().tolist() == [1]
+
+
+# --- logprobs ---
+
+
+def test_logprobs_are_of_the_raw_logits_best_first():
+    logits = torch.randn(4, 60, generator=torch.Generator().manual_seed(15)) * 2
+    reqs = [
+        request(logprobs=5),
+        request(logprobs=3, temperature=0.5, repetition_penalty=1.5, frequency_penalty=1.0, outputs=[1, 2, 2]),
+        request(),
+        request(logprobs=100, temperature=1.0, seed=3),
+    ]
+    out = Sampler(60, CPU)(logits.to(torch.bfloat16), reqs)
+    reference = torch.log_softmax(logits.to(torch.bfloat16).float(), dim=-1)
+    assert out.logprobs[2] is None
+    for row, n in ((0, 5), (1, 3), (3, 20)):
+        entry = out.logprobs[row]
+        assert entry.token_id == out.token_ids[row]
+        assert entry.logprob == pytest.approx(reference[row, entry.token_id].item(), abs=1e-5)
+        assert len(entry.top) == n
+        values = [top.logprob for top in entry.top]
+        assert values == sorted(values, reverse=True)
+        assert [top.token_id for top in entry.top] == reference[row].topk(n).indices.tolist()
+        for top in entry.top:
+            assert top.logprob == pytest.approx(reference[row, top.token_id].item(), abs=1e-5)
+    assert out.logprobs[0].token_id == out.logprobs[0].top[0].token_id  # greedy picks the best
+    assert math.isclose(sum(math.exp(v) for v in reference[0].tolist()), 1.0, rel_tol=1e-4)
+
+
+def test_logprob_rows_do_not_change_the_caller_logits():
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(16))
+    before = logits.clone()
+    Sampler(30, CPU)(logits, [request(logprobs=2, frequency_penalty=1.0, outputs=[3]), request(temperature=1.0)])
+    assert logits.equal(before)
