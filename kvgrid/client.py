@@ -1,0 +1,137 @@
+"""`kvgrid generate PROMPT`: stream one completion from a running stack to the terminal.
+
+By default the prompt goes through `Chat` as one user message, which is what an
+instruct model expects; `--raw` sends it through `Generate` as text to continue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Iterator
+
+import grpc
+from google.protobuf import json_format
+
+from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+
+DEFAULT_ADDR = "localhost:50051"
+ADDR_ENV = "KVGRID_ADDR"
+
+
+class ClientError(Exception):
+    """A failed call, already phrased for the terminal."""
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate ({max_tokens})")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    group.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling mass in (0, 1] (default 1)")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p times the best one")
+    group.add_argument("--seed", type=int, default=None, help="sampler seed, for reproducible sampling")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--addr",
+        default=os.environ.get(ADDR_ENV, DEFAULT_ADDR),
+        help=f"HOST:PORT of the tokenizer frontend [env {ADDR_ENV}, default {DEFAULT_ADDR}]",
+    )
+    parser.add_argument("--timeout", type=float, default=None, help="seconds before the call is abandoned")
+
+
+def sampling_from_args(args: argparse.Namespace) -> common_pb2.SamplingParams:
+    params = common_pb2.SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+    if args.seed is not None:
+        params.seed = args.seed
+    return params
+
+
+def describe_error(err: grpc.RpcError, addr: str) -> str:
+    """One line for a failed call; an unreachable server gets a hint instead of gRPC's details."""
+    code = err.code()
+    if code == grpc.StatusCode.UNAVAILABLE and ("connect" in (err.details() or "").lower()):
+        return f"cannot reach a kvgrid server at {addr} (is `kvgrid serve` running? pass --addr HOST:PORT)"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"no answer from {addr} in time"
+    return f"{code.name}: {err.details()}"
+
+
+def stream_calls(
+    stub: generate_pb2_grpc.TextGenerationStub, request, timeout: float | None
+) -> Iterator[generate_pb2.GenerateResponse]:
+    """Responses of a Generate or Chat call; cancels the call if the consumer stops early."""
+    method = stub.Chat if isinstance(request, generate_pb2.ChatRequest) else stub.Generate
+    call = method(request, timeout=timeout)
+    try:
+        yield from call
+    finally:
+        call.cancel()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgrid generate", description="Stream a completion from a kvgrid server.")
+    parser.add_argument("prompt", help="the prompt ('-' reads it from stdin)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--chat", dest="raw", action="store_false", help="send as one user message (default)")
+    mode.add_argument("--raw", dest="raw", action="store_true", help="complete the text as is (Generate)")
+    parser.add_argument("--system", default="", help="system message for chat mode")
+    parser.add_argument("--json", action="store_true", help="print each streamed message as one JSON line")
+    add_connection_arguments(parser)
+    add_sampling_arguments(parser, max_tokens=256)
+    return parser
+
+
+def build_request(args: argparse.Namespace, prompt: str):
+    sampling = sampling_from_args(args)
+    if args.raw:
+        return generate_pb2.GenerateRequest(prompt=prompt, sampling=sampling)
+    messages = [generate_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
+    messages.append(generate_pb2.ChatMessage(role="user", content=prompt))
+    return generate_pb2.ChatRequest(messages=messages, sampling=sampling)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    request = build_request(args, prompt)
+    finish, wrote = "", False
+    with grpc.insecure_channel(args.addr) as channel:
+        stub = generate_pb2_grpc.TextGenerationStub(channel)
+        try:
+            for response in stream_calls(stub, request, args.timeout):
+                if args.json:
+                    print(json.dumps(json_format.MessageToDict(response)), flush=True)
+                else:
+                    sys.stdout.write(response.text)
+                    sys.stdout.flush()
+                    wrote = wrote or bool(response.text)
+                finish = response.finish_reason or finish
+        except grpc.RpcError as err:
+            if wrote:
+                sys.stdout.write("\n")
+            print(f"kvgrid generate: {describe_error(err, args.addr)}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("\nkvgrid generate: interrupted", file=sys.stderr)
+            return 130
+    if not args.json:
+        sys.stdout.write("\n")
+    if finish == "abort":
+        print("kvgrid generate: the server aborted the request", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,236 @@
+"""`kvgrid serve`: the three services as child processes on one machine, supervised together.
+
+The worker, scheduler and tokenizer start at once (the scheduler dials the worker
+with backoff, the frontend waits for the scheduler), each with its own flags from
+the shared configuration. `serve` waits until every gRPC health check answers
+SERVING, prints the endpoints, and then stays in the foreground: Ctrl-C or
+SIGTERM stops all three; one child dying stops the others and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common import config as cfg
+
+# Order of start-up and of the summary; shutdown runs in reverse (frontend first).
+SERVICE_ORDER = ("worker", "scheduler", "tokenizer")
+STOP_GRACE_SECONDS = 15.0
+POLL_SECONDS = 0.5
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    argv: list[str]
+    grpc_addr: str
+    process: subprocess.Popen | None = None
+
+
+def _say(text: str) -> None:
+    print(f"kvgrid serve: {text}", flush=True)
+
+
+def dial_host(host: str) -> str:
+    """Where local clients reach a server bound to `host` (a wildcard bind is reached on loopback)."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
+def child_config(config: cfg.Config) -> cfg.Config:
+    """The configuration handed to the children: internal addresses follow the ports serve binds."""
+    net = config.network
+    host = dial_host(net.host)
+    network = dataclasses.replace(
+        net, scheduler_addr=f"{host}:{net.scheduler_port}", worker_addr=f"{host}:{net.worker_port}"
+    )
+    return dataclasses.replace(config, network=network)
+
+
+def service_argv(name: str, config: cfg.Config) -> list[str]:
+    """`python -m kvgrid.cli NAME --flag value ...` with the flags of the sections NAME parses."""
+    from kvgrid.cli import SERVICES
+
+    _, sections, _ = SERVICES[name]
+    argv = [sys.executable, "-m", "kvgrid.cli", name]
+    for section in sections:
+        argv += cfg.to_flags(getattr(config, section.__name__.removesuffix("Config").lower()))
+    return argv
+
+
+def build_children(config: cfg.Config) -> list[Child]:
+    net = config.network
+    host = dial_host(net.host)
+    ports = {"worker": net.worker_port, "scheduler": net.scheduler_port, "tokenizer": net.tokenizer_port}
+    return [Child(name, service_argv(name, config), f"{host}:{ports[name]}") for name in SERVICE_ORDER]
+
+
+def port_problems(net: cfg.NetworkConfig) -> list[str]:
+    """One line per port that is 0 (serve must know its ports) or already taken on `net.host`."""
+    problems = []
+    seen: dict[int, str] = {}
+    for f in dataclasses.fields(net):
+        if not f.name.endswith("_port"):
+            continue
+        flag, port = "--" + f.name.replace("_", "-"), getattr(net, f.name)
+        if port == 0:
+            problems.append(f"{flag} 0 is not allowed here: `kvgrid serve` needs fixed ports")
+        elif port in seen:
+            problems.append(f"{flag} {port} is also given to {seen[port]}")
+        elif not _port_free(net.host, port):
+            problems.append(f"port {port} ({flag}) is already in use on {net.host}; free it or pass {flag} PORT")
+        seen.setdefault(port, flag)
+    return problems
+
+
+def _port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # gRPC servers bind with SO_REUSEADDR too, so a port in TIME_WAIT counts as free.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if serve itself dies (Linux), so no service is orphaned."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start(child: Child) -> None:
+    # A new session: a terminal's Ctrl-C reaches serve only, which then stops the children in order.
+    child.process = subprocess.Popen(child.argv, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def is_serving(addr: str) -> bool:
+    with grpc.insecure_channel(addr) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def first_exited(children: list[Child]) -> Child | None:
+    return next((c for c in children if c.process and c.process.poll() is not None), None)
+
+
+def stop_all(children: list[Child]) -> None:
+    """SIGTERM every live child (frontend first), then SIGKILL whatever outlives the grace period."""
+    for child in reversed(children):
+        if child.process and child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for child in reversed(children):
+        if not child.process:
+            continue
+        try:
+            child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _say(f"the {child.name} did not stop within {STOP_GRACE_SECONDS:.0f}s; killing it")
+            child.process.kill()
+            child.process.wait()
+
+
+def _describe_exit(child: Child) -> str:
+    code = child.process.returncode
+    how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return f"the {child.name} {how}; see its log above"
+
+
+def print_ready(config: cfg.Config, children: list[Child]) -> None:
+    net = config.network
+    host = dial_host(net.host)
+    public = f"{host}:{net.tokenizer_port}"
+    _say(f"model {config.model.name} ({config.model.dtype})")
+    _say(f"  public API   kvgrid.v1.TextGeneration  grpc://{public}  (reflection on)")
+    _say(f"  HTTP         http://{host}:{net.http_port}/health  http://{host}:{net.http_port}/metrics")
+    _say(f"  scheduler    kvgrid.v1.Scheduler       grpc://{host}:{net.scheduler_port}")
+    _say(f"  worker       kvgrid.v1.Worker          grpc://{host}:{net.worker_port}")
+    pids = ", ".join(f"{c.name} pid {c.process.pid}" for c in children)
+    _say(f"ready ({pids}). Try:")
+    print(f'    kvgrid generate "What is the capital of France?" --addr {public}', flush=True)
+    print(f"    grpcurl -plaintext {public} list", flush=True)
+    _say("Ctrl-C stops all three services")
+
+
+class _Signals:
+    """SIGINT/SIGTERM set a flag; the supervision loop polls it."""
+
+    def __init__(self):
+        self.received = threading.Event()
+        self.name = ""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame) -> None:
+        self.name = signal.Signals(signum).name
+        self.received.set()
+
+
+def supervise(config: cfg.Config, children: list[Child], signals: _Signals) -> int:
+    """Wait for health, announce readiness, then run until a signal (0) or a child's death (1)."""
+    pending = list(children)
+    announced_wait = time.monotonic()
+    while pending:
+        if signals.received.wait(POLL_SECONDS):
+            _say(f"{signals.name} during start-up; stopping")
+            return 1
+        dead = first_exited(children)
+        if dead:
+            _say(f"start-up failed: {_describe_exit(dead)}")
+            return 1
+        pending = [c for c in pending if not is_serving(c.grpc_addr)]
+        if pending and time.monotonic() - announced_wait > 15:
+            _say("waiting for " + ", ".join(c.name for c in pending) + " to report SERVING")
+            announced_wait = time.monotonic()
+    print_ready(config, children)
+    while True:
+        if signals.received.wait(POLL_SECONDS):
+            _say(f"{signals.name} received; stopping tokenizer, scheduler and worker")
+            return 0
+        dead = first_exited(children)
+        if dead:
+            _say(f"{_describe_exit(dead)}; stopping the others")
+            return 1
+
+
+def main(config: cfg.Config) -> int:
+    problems = port_problems(config.network)
+    if problems:
+        for line in problems:
+            print(f"kvgrid serve: {line}", file=sys.stderr)
+        return 1
+    config = child_config(config)
+    children = build_children(config)
+    signals = _Signals()
+    _say(f"starting {', '.join(SERVICE_ORDER)} (pid {os.getpid()})")
+    try:
+        for child in children:
+            start(child)
+        code = supervise(config, children, signals)
+    finally:
+        stop_all(children)
+    _say("stopped" if code == 0 else "stopped after an error")
+    return code
