@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-slow bench lint format protos clean
+.PHONY: install serve test test-slow bench lint format protos clean deploy-tools
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +24,12 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/kvgrid serve
 
-test: install
+# docker-compose checks the compose files in tests/deploy; a failed install leaves those tests failing with a hint
+deploy-tools:
+	@command -v docker-compose >/dev/null || (apt-get update -qq && apt-get install -y -qq docker-compose) || \
+		echo "deploy-tools: could not install docker-compose; tests/deploy will fail until it is installed"
+
+test: install deploy-tools
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # benchmarks and long suites, excluded from `make test`

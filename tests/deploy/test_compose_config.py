@@ -1,0 +1,137 @@
+"""docker-compose.yml and its GPU variant: accepted by docker-compose, and wired the way kvgrid needs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from services.common import config as cfg
+from services.common import metrics
+from tests.deploy import compose
+
+INSTALL_HINT = (
+    "docker-compose is not installed; it is part of the test toolchain: "
+    "`apt-get install -y docker-compose` (or `make deploy-tools`)"
+)
+KNOWN_VARIABLES = {cfg.env_name(f.name) for section in cfg.ALL_SECTIONS for f in dataclasses.fields(section)}
+
+
+def _compose_config(*files) -> str:
+    tool = shutil.which("docker-compose")
+    if tool is None:
+        pytest.fail(INSTALL_HINT)
+    args = [tool]
+    for f in files:
+        args += ["-f", str(f)]
+    result = subprocess.run([*args, "config"], capture_output=True, text=True, cwd=compose.ROOT, timeout=120)
+    assert result.returncode == 0, f"docker-compose rejects {[f.name for f in files]}:\n{result.stderr}"
+    return result.stdout
+
+
+def test_docker_compose_accepts_the_cpu_file():
+    rendered = yaml.safe_load(_compose_config(compose.COMPOSE_FILE))
+    worker = rendered["services"]["worker"]
+    assert worker["build"]["args"]["DEVICE"] == "cpu"
+    assert "deploy" not in worker, "the default (CPU) stack must not reserve a GPU"
+
+
+def test_docker_compose_accepts_the_gpu_variant():
+    rendered = yaml.safe_load(_compose_config(compose.COMPOSE_FILE, compose.GPU_COMPOSE_FILE))
+    worker = rendered["services"]["worker"]
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d["driver"] == "nvidia" and "gpu" in d["capabilities"] for d in devices)
+    assert worker["build"]["args"]["DEVICE"] == "cuda"
+    assert worker["environment"]["KVGRID_DEVICE"] == "cuda"
+    # the override keeps everything else of the worker
+    assert worker["healthcheck"]["test"][-1] == "localhost:50053"
+
+
+@pytest.mark.parametrize("name", compose.KVGRID_SERVICES)
+def test_kvgrid_services_are_configured_by_known_variables(name):
+    env = compose.environment(compose.load()["services"][name])
+    unknown = {k for k in env if k.startswith("KVGRID_")} - KNOWN_VARIABLES
+    assert not unknown, f"{name} sets variables no kvgrid config field reads: {sorted(unknown)}"
+    others = {k for k in env if not k.startswith(("KVGRID_", "OTEL_"))}
+    assert not others, f"{name}: configure kvgrid through KVGRID_* only, found {sorted(others)}"
+
+
+def test_every_service_has_a_health_check_and_waits_for_healthy_dependencies():
+    services = compose.load()["services"]
+    for name, service in services.items():
+        assert "healthcheck" in service, f"{name} has no health check"
+        for dep, spec in (service.get("depends_on") or {}).items():
+            assert dep in services, f"{name} depends on unknown {dep}"
+            if name in compose.KVGRID_SERVICES:
+                assert spec["condition"] == "service_healthy", f"{name} must wait for a healthy {dep}"
+    assert compose.startup_order(services, compose.KVGRID_SERVICES) == ["worker", "scheduler", "tokenizer"]
+
+
+def test_scheduler_and_tokenizer_reach_their_peers_by_service_name():
+    services = compose.load()["services"]
+    assert compose.environment(services["scheduler"])["KVGRID_WORKER_ADDR"] == "worker:50053"
+    assert compose.environment(services["tokenizer"])["KVGRID_SCHEDULER_ADDR"] == "scheduler:50052"
+    # the scheduler compares the worker's model name and block size with its own
+    shared = ("KVGRID_MODEL", "KVGRID_BLOCK_SIZE", "KVGRID_SERVED_MODEL_NAME")
+    for key in shared:
+        values = {compose.environment(services[n]).get(key) for n in compose.KVGRID_SERVICES}
+        assert len(values) == 1 and None not in values, f"{key} differs between services: {values}"
+
+
+def test_default_model_comes_from_the_image_and_others_from_the_models_volume():
+    services = compose.load()["services"]
+    assert compose.environment(services["worker"])["KVGRID_MODEL"] == ""
+    assert compose.load(environ={"KVGRID_MODEL": "/models/m.gguf"})["services"]["worker"]["environment"][
+        "KVGRID_MODEL"
+    ] == ("/models/m.gguf")
+    assert any(str(v).endswith(":/models:ro") for v in services["worker"]["volumes"])
+
+
+def test_prometheus_scrapes_the_metrics_port_of_each_service():
+    services = compose.load()["services"]
+    config = yaml.safe_load((compose.ROOT / "docker/prometheus/prometheus.yml").read_text())
+    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    metrics_var = {"tokenizer": "KVGRID_HTTP_PORT", "scheduler": "KVGRID_SCHEDULER_METRICS_PORT"}
+    for name in compose.KVGRID_SERVICES:
+        port = compose.environment(services[name])[metrics_var.get(name, "KVGRID_WORKER_METRICS_PORT")]
+        assert f"{name}:{port}" in targets
+    mounted = [v for v in services["prometheus"]["volumes"] if v.startswith("./docker/prometheus/prometheus.yml:")]
+    assert mounted, "prometheus does not mount docker/prometheus/prometheus.yml"
+
+
+def _exported_families() -> set[str]:
+    """Metric family names of the three services (counters without their _total suffix)."""
+    families = set()
+    for kind in (metrics.TokenizerMetrics, metrics.SchedulerMetrics, metrics.WorkerMetrics):
+        families |= {family.name for family in kind("m").registry.collect()}
+    return families
+
+
+def test_grafana_dashboard_charts_every_exported_metric_and_nothing_else():
+    dashboard = json.loads((compose.ROOT / "docker/grafana/dashboards/kvgrid.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {name for e in exprs for name in re.findall(r"\bkvgrid_[a-z0-9_]+", e)}
+    families = _exported_families()
+    suffixes = ("", "_total", "_bucket", "_sum", "_count")
+    unknown = {n for n in used if not any(n == f + s for f in families for s in suffixes)}
+    assert not unknown, f"dashboard queries metrics no service exports: {sorted(unknown)}"
+    uncharted = {f for f in families if not any(n == f + s for n in used for s in suffixes)}
+    assert not uncharted, f"exported metrics without a dashboard panel: {sorted(uncharted)}"
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_grafana_is_provisioned_with_the_dashboard_and_prometheus():
+    services = compose.load()["services"]
+    volumes = services["grafana"]["volumes"]
+    assert "./docker/grafana/provisioning:/etc/grafana/provisioning:ro" in volumes
+    dash_dir = next(v.split(":")[1] for v in volumes if v.startswith("./docker/grafana/dashboards:"))
+    provider = yaml.safe_load((compose.ROOT / "docker/grafana/provisioning/dashboards/kvgrid.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == dash_dir
+    source = yaml.safe_load((compose.ROOT / "docker/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert source["datasources"][0]["url"] == "http://prometheus:9090"
