@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="raw", action="store_false", help="send as one user message (default)")
     mode.add_argument("--raw", dest="raw", action="store_true", help="complete the text as is (Generate)")
+    parser.set_defaults(raw=False)
     parser.add_argument("--system", default="", help="system message for chat mode")
     parser.add_argument("--json", action="store_true", help="print each streamed message as one JSON line")
     add_connection_arguments(parser)

@@ -1,0 +1,156 @@
+"""`kvgrid serve` without a model: flags handed to each service, port checks, supervision of fake children."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from kvgrid import serve
+from services.common import config as cfg
+
+# A stand-in service: gRPC health SERVING on the given port until terminated.
+FAKE_SERVICE = """
+import sys, time
+from concurrent import futures
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+servicer = health.HealthServicer()
+servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+server.add_insecure_port("127.0.0.1:" + sys.argv[1])
+server.start()
+while True:
+    time.sleep(1)
+"""
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for sock in socks:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in socks]
+    for sock in socks:
+        sock.close()
+    return ports
+
+
+def parse(argv: list[str]) -> cfg.Config:
+    parser = argparse.ArgumentParser()
+    cfg.add_arguments(parser)
+    return cfg.build_config(cfg.ALL_SECTIONS, parser.parse_args(argv), environ={})
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_each_service_gets_its_own_flags_and_addresses_follow_the_ports():
+    config = serve.child_config(parse(["--scheduler-port", "6001", "--worker-port", "6002", "--dtype", "float32"]))
+    children = {c.name: c for c in serve.build_children(config)}
+    assert list(children) == ["worker", "scheduler", "tokenizer"]
+    worker, scheduler, tokenizer = children["worker"].argv, children["scheduler"].argv, children["tokenizer"].argv
+    assert worker[1:4] == ["-m", "kvgrid.cli", "worker"]
+    assert flag_value(tokenizer, "--scheduler-addr") == "127.0.0.1:6001"
+    assert flag_value(scheduler, "--worker-addr") == "127.0.0.1:6002"
+    assert flag_value(worker, "--worker-port") == "6002"
+    assert all(flag_value(argv, "--dtype") == "float32" for argv in (worker, scheduler, tokenizer))
+    assert "--device" in worker and "--device" not in scheduler and "--device" not in tokenizer
+    assert "--block-size" in scheduler and "--block-size" not in tokenizer
+    assert children["tokenizer"].grpc_addr == "127.0.0.1:50051"
+
+
+def test_every_service_accepts_what_serve_hands_it():
+    from kvgrid.cli import build_parser
+
+    for child in serve.build_children(serve.child_config(parse([]))):
+        build_parser().parse_args(child.argv[3:])
+
+
+def test_dial_host_maps_wildcards_to_loopback():
+    assert serve.dial_host("0.0.0.0") == "127.0.0.1"
+    assert serve.dial_host("::") == "[::1]"
+    assert serve.dial_host("10.1.2.3") == "10.1.2.3"
+
+
+def test_busy_zero_and_duplicate_ports_are_reported_before_anything_starts():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        a, b, c = free_ports(3)
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvgrid.cli", "serve", "--host", "127.0.0.1", "--tokenizer-port", str(taken)]
+            + ["--http-port", "0", "--scheduler-port", str(a), "--worker-port", str(a)]
+            + ["--scheduler-metrics-port", str(b), "--worker-metrics-port", str(c)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert lines == [
+        f"kvgrid serve: port {taken} (--tokenizer-port) is already in use on 127.0.0.1; "
+        f"free it or pass --tokenizer-port PORT",
+        "kvgrid serve: --http-port 0 is not allowed here: `kvgrid serve` needs fixed ports",
+        f"kvgrid serve: --worker-port {a} is also given to --scheduler-port",
+    ]
+    assert "starting" not in proc.stdout
+
+
+def fake_children(ports: list[int], crash: str = "") -> list[serve.Child]:
+    children = []
+    for name, port in zip(serve.SERVICE_ORDER, ports, strict=True):
+        code = "import sys; sys.exit(3)" if name == crash else FAKE_SERVICE
+        children.append(serve.Child(name, [sys.executable, "-c", code, str(port)], f"127.0.0.1:{port}"))
+    return children
+
+
+@pytest.fixture
+def signals(monkeypatch):
+    monkeypatch.setattr(serve, "POLL_SECONDS", 0.1)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handler = serve._Signals()
+    yield handler
+    for sig, old in previous.items():
+        signal.signal(sig, old)
+
+
+@pytest.mark.timeout(120)
+def test_ready_then_sigterm_stops_every_child(signals, capsys, monkeypatch):
+    announce = serve.print_ready
+
+    def announce_then_terminate(config, children):
+        announce(config, children)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(serve, "print_ready", announce_then_terminate)
+    children = fake_children(free_ports(3))
+    for child in children:
+        serve.start(child)
+    try:
+        assert serve.supervise(parse(["--host", "127.0.0.1"]), children, signals) == 0
+    finally:
+        serve.stop_all(children)
+    out = capsys.readouterr().out
+    assert "kvgrid serve: ready" in out and "kvgrid generate" in out and "SIGTERM received" in out
+    assert all(c.process.poll() is not None for c in children)
+
+
+@pytest.mark.timeout(120)
+def test_a_child_that_dies_at_startup_stops_the_others(signals, capsys):
+    children = fake_children(free_ports(3), crash="scheduler")
+    for child in children:
+        serve.start(child)
+    try:
+        assert serve.supervise(parse([]), children, signals) == 1
+    finally:
+        serve.stop_all(children)
+    assert "start-up failed: the scheduler exited with code 3" in capsys.readouterr().out
+    assert all(c.process.poll() is not None for c in children)
