@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -39,12 +41,18 @@ class Health:
     def __init__(self, server: grpc.aio.Server, service_names: list[str]):
         self._servicer = health.aio.HealthServicer()
         self._names = ["", *service_names]
+        self._pending: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
         self.set(False)
 
     def set(self, serving: bool) -> None:
+        """Call from the server's event loop; the change lands once the loop next runs (in call order)."""
+        status = SERVING if serving else NOT_SERVING
         for name in self._names:
-            self._servicer.set(name, SERVING if serving else NOT_SERVING)
+            # grpc's aio HealthServicer.set is a coroutine (it also wakes Watch streams).
+            task = asyncio.get_running_loop().create_task(self._servicer.set(name, status))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
 
 
 def add_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:
