@@ -31,7 +31,7 @@ def _default(f: dataclasses.Field) -> str:
 
 def flags_table() -> str:
     rows = [
-        "| flag | environment variable | default | used by | meaning |",
+        "| flag | environment variable | default | accepted by | meaning |",
         "|---|---|---|---|---|",
     ]
     for section in cfg.ALL_SECTIONS:
