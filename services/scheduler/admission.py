@@ -1,0 +1,63 @@
+"""Checks a Submit must pass before its request may enter the queue, and the limits they use."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Container
+from dataclasses import dataclass
+
+from kvgrid.v1 import scheduler_pb2
+from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from services.scheduler.convert import stop_conditions_from_proto
+from services.scheduler.kv_cache_manager import cdiv
+from services.scheduler.request import Request
+
+
+@dataclass(slots=True)
+class AdmissionLimits:
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    vocab_size: int
+    max_waiting_requests: int
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def admit(msg: scheduler_pb2.SubmitRequest, limits: AdmissionLimits, live: Container[str], num_waiting: int) -> Request:
+    """A Request for a valid Submit; raises InvalidArgument, AlreadyExists or ResourceExhausted otherwise."""
+    request_id = msg.request_id or uuid.uuid4().hex
+    if request_id in live:
+        raise AlreadyExists(f"request_id: a live request already has id {request_id!r}")
+    prompt = list(msg.prompt_token_ids)
+    num_prompt = len(prompt)
+    if not num_prompt:
+        raise InvalidArgument("prompt_token_ids", "must hold at least one token")
+    if limits.vocab_size and max(prompt) >= limits.vocab_size:
+        raise InvalidArgument(
+            "prompt_token_ids", f"token id {max(prompt)} is outside the vocabulary (size {limits.vocab_size})"
+        )
+    if num_prompt >= limits.max_model_len:
+        raise InvalidArgument(
+            "prompt_token_ids",
+            f"the prompt has {num_prompt} tokens but the maximum model length is {limits.max_model_len}, "
+            "which leaves no room for output",
+        )
+    if num_prompt >= limits.pool_tokens:
+        raise ResourceExhausted(
+            f"prompt_token_ids: the prompt has {num_prompt} tokens and needs {cdiv(num_prompt + 1, limits.block_size)}"
+            f" KV blocks of {limits.block_size} tokens, but the worker's whole pool has {limits.num_blocks}"
+        )
+    if num_waiting >= limits.max_waiting_requests:
+        raise ResourceExhausted(f"the waiting queue is full ({num_waiting} requests); retry later")
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        stop=stop_conditions_from_proto(msg.sampling),
+        sampling=msg.sampling,
+        priority=msg.priority,
+        arrival_time=time.monotonic(),
+    )

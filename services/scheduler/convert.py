@@ -1,0 +1,61 @@
+"""Conversions between the scheduler's plain types and the kvgrid.v1 messages."""
+
+from __future__ import annotations
+
+from kvgrid.v1 import common_pb2, scheduler_pb2, worker_pb2
+from services.scheduler.request import DEFAULT_MAX_TOKENS, RequestStatus, StopConditions
+from services.scheduler.scheduler import SchedulerOutput
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: common_pb2.FINISH_REASON_STOP,
+    RequestStatus.FINISHED_LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    RequestStatus.FINISHED_ABORTED: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def stop_conditions_from_proto(sampling: common_pb2.SamplingParams) -> StopConditions:
+    return StopConditions(
+        max_tokens=sampling.max_tokens or DEFAULT_MAX_TOKENS,
+        min_tokens=sampling.min_tokens,
+        stop_token_ids=frozenset(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+    )
+
+
+def plan_to_proto(out: SchedulerOutput) -> worker_pb2.StepPlan:
+    plan = worker_pb2.StepPlan(step_id=out.step_id, finished_ids=out.finished_ids)
+    for new in out.new_requests:
+        request = new.request
+        plan.new_requests.append(
+            worker_pb2.NewRequest(
+                request_id=request.request_id,
+                token_ids=request.all_token_ids,
+                num_prompt_tokens=request.num_prompt_tokens,
+                sampling=request.sampling,
+                block_ids=new.block_ids,
+                num_computed_tokens=new.num_computed_tokens,
+                num_scheduled_tokens=new.num_scheduled_tokens,
+                trace_context=request.trace_context,
+            )
+        )
+    running = plan.running
+    for item in out.running:
+        # add() then field writes avoids building and copying a message per request (decode hot path).
+        entry = running.add()
+        entry.request_id = item.request.request_id
+        entry.num_scheduled_tokens = item.num_scheduled_tokens
+        if item.new_block_ids:
+            entry.new_block_ids.extend(item.new_block_ids)
+    return plan
+
+
+def sampled_from_proto(result: worker_pb2.StepResult, want_logprobs: bool = True) -> list[tuple]:
+    """(request_id, token_id, logprob or None) per sampled token."""
+    return [
+        (s.request_id, s.token_id, s.logprob if want_logprobs and s.HasField("logprob") else None)
+        for s in result.sampled
+    ]
+
+
+def empty_stats() -> scheduler_pb2.SchedulerStats:
+    return scheduler_pb2.SchedulerStats(worker_ready=False)

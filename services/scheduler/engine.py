@@ -1,0 +1,270 @@
+"""The step loop: one task that owns the worker connection and the scheduler built for it.
+
+Per worker session: connect and handshake, build a fresh block pool and
+scheduler sized from the reply, report ready, then plan → send → await the
+result → update → deliver, for as long as there is work. When the stream breaks
+(or the worker breaks the protocol), every live request fails with UNAVAILABLE,
+the scheduler is dropped (nothing stale survives) and the loop dials again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from kvgrid.v1 import scheduler_pb2, worker_pb2
+from services.common.config import Config
+from services.common.errors import Unavailable
+from services.common.metrics import SchedulerMetrics
+from services.scheduler.admission import AdmissionLimits, admit
+from services.scheduler.block_pool import BlockPool
+from services.scheduler.convert import plan_to_proto, sampled_from_proto
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.scheduler import Scheduler, SchedulerLimits, SchedulerOutput, WorkerProtocolError
+from services.scheduler.streams import RequestStream
+from services.scheduler.worker_link import WorkerSession, connect
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLost(ConnectionError):
+    pass
+
+
+def build_scheduler(info: worker_pb2.HandshakeResponse, config: Config) -> tuple[Scheduler, AdmissionLimits]:
+    """A fresh scheduler over a fresh pool of the worker's blocks, with the tighter of both sides' limits."""
+    pool_tokens = info.num_blocks * info.block_size
+    model_max_len = min((n for n in (info.max_model_len, config.model.max_model_len) if n > 0), default=pool_tokens)
+    # A sequence longer than the whole pool could never be scheduled again once preempted: it ends there.
+    max_model_len = min(model_max_len, pool_tokens)
+    sched = config.scheduler
+    limits = SchedulerLimits(
+        max_num_seqs=min(n for n in (sched.max_num_seqs, info.max_num_seqs) if n > 0),
+        max_num_batched_tokens=min(n for n in (sched.max_num_batched_tokens, info.max_num_batched_tokens) if n > 0),
+        max_model_len=max_model_len,
+        policy=sched.scheduling_policy,
+    )
+    kv = KVCacheManager(BlockPool(info.num_blocks, config.cache.enable_prefix_caching), info.block_size)
+    admission = AdmissionLimits(
+        max_model_len=model_max_len,
+        num_blocks=info.num_blocks,
+        block_size=info.block_size,
+        vocab_size=info.vocab_size,
+        max_waiting_requests=sched.max_waiting_requests,
+    )
+    return Scheduler(limits, kv, info.eos_token_ids), admission
+
+
+class Engine:
+    def __init__(
+        self,
+        config: Config,
+        metrics: SchedulerMetrics | None = None,
+        on_ready: Callable[[bool], None] = lambda ready: None,
+    ):
+        self.config = config
+        self.metrics = metrics
+        self._on_ready = on_ready
+        self.worker_info: worker_pb2.HandshakeResponse | None = None
+        self._core: Scheduler | None = None
+        self._admission: AdmissionLimits | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        # Counters of sessions that ended, so GetStats counts since start.
+        self._past = {"queries": 0, "hits": 0, "preemptions": 0}
+        self._num_steps = 0
+
+    @property
+    def ready(self) -> bool:
+        return self._core is not None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="scheduler-step-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    def submit(self, msg: scheduler_pb2.SubmitRequest, trace_context: dict[str, str]) -> RequestStream:
+        core = self._core
+        if core is None:
+            raise Unavailable(f"no worker is ready yet (waiting for the worker at {self.config.network.worker_addr})")
+        request = admit(msg, self._admission, core.requests, core.num_waiting)
+        request.trace_context = trace_context
+        stream = RequestStream(request)
+        core.add_request(request)
+        self._streams[request.request_id] = stream
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a live request (its blocks are freed at once); False when none has that id."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None or self._core is None:
+            return False
+        self._core.abort_request(request_id)
+        stream.abort()
+        self._wake.set()
+        return True
+
+    def release(self, stream: RequestStream) -> None:
+        """The caller of ``stream`` is gone: abort its request if it is still live."""
+        if not stream.done and self._streams.get(stream.request.request_id) is stream:
+            self.abort(stream.request.request_id)
+
+    def stats(self) -> scheduler_pb2.SchedulerStats:
+        past = self._past
+        stats = scheduler_pb2.SchedulerStats(
+            prefix_cache_queries=past["queries"],
+            prefix_cache_hits=past["hits"],
+            num_preemptions=past["preemptions"],
+            num_steps=self._num_steps,
+        )
+        core = self._core
+        if core is None:
+            return stats
+        pool = core.kv.pool
+        stats.num_running = core.num_running
+        stats.num_waiting = core.num_waiting
+        stats.num_blocks_total = pool.num_blocks
+        stats.num_blocks_used = pool.num_used_blocks
+        stats.kv_cache_usage = pool.usage
+        stats.prefix_cache_queries += core.kv.prefix_queries
+        stats.prefix_cache_hits += core.kv.prefix_hits
+        stats.num_preemptions += core.num_preemptions
+        stats.worker_ready = True
+        stats.num_cached_free_blocks = pool.num_cached_free_blocks
+        return stats
+
+    async def _run(self) -> None:
+        while True:
+            session = await connect(self.config)
+            reason = "the worker connection was lost"
+            try:
+                self._begin(session)
+                await self._drive(session)
+            except asyncio.CancelledError:
+                reason = "the scheduler is shutting down"
+                raise
+            except (grpc.aio.AioRpcError, WorkerLost, WorkerProtocolError) as e:
+                log.warning("worker stream ended: %s", _describe(e))
+            except Exception:
+                log.exception("step loop failed")
+            finally:
+                await self._end(session, reason)
+
+    def _begin(self, session: WorkerSession) -> None:
+        info = session.info
+        self._core, self._admission = build_scheduler(info, self.config)
+        self.worker_info = info
+        if self.metrics is not None:
+            self.metrics.kv_blocks_total.set(info.num_blocks)
+        log.info(
+            "worker %s ready: model %s, %d blocks of %d tokens, max model length %d",
+            info.worker_id or "?",
+            info.model,
+            info.num_blocks,
+            info.block_size,
+            self._core.limits.max_model_len,
+        )
+        self._on_ready(True)
+
+    async def _end(self, session: WorkerSession, reason: str) -> None:
+        self._on_ready(False)
+        core, self._core = self._core, None
+        self.worker_info = None
+        if core is not None:
+            self._past["queries"] += core.kv.prefix_queries
+            self._past["hits"] += core.kv.prefix_hits
+            self._past["preemptions"] += core.num_preemptions
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.fail(Unavailable(f"request {stream.request.request_id!r} failed: {reason}"))
+        if self.metrics is not None:
+            self.metrics.num_running.set(0)
+            self.metrics.num_waiting.set(0)
+            self.metrics.kv_cache_usage.set(0)
+        await session.channel.close()
+
+    async def _drive(self, session: WorkerSession) -> None:
+        core = self._core
+        call = session.stub.Execute()
+        call.add_done_callback(lambda _: self._wake.set())
+        try:
+            while True:
+                if not core.has_work():
+                    await self._idle(call)
+                    continue
+                started = time.perf_counter()
+                out = core.schedule()
+                if out.is_empty:
+                    await self._idle(call)
+                    continue
+                plan = plan_to_proto(out)
+                planned = time.perf_counter()
+                await call.write(plan)
+                result = await call.read()
+                if result is grpc.aio.EOF:
+                    raise WorkerLost("the worker closed the Execute stream")
+                if result.step_id != out.step_id:
+                    raise WorkerProtocolError(f"result for step {result.step_id}, expected {out.step_id}")
+                self._num_steps += 1
+                self._deliver(core.update_from_output(out, sampled_from_proto(result)))
+                if self.metrics is not None:
+                    self._record(core, out, planned - started)
+        finally:
+            call.cancel()
+
+    async def _idle(self, call: grpc.aio.StreamStreamCall) -> None:
+        """Wait for new work; the call's done-callback also wakes this, so a worker lost while idle is seen."""
+        self._wake.clear()
+        if not call.done():
+            await self._wake.wait()
+        if call.done():
+            code, details = await call.code(), await call.details()
+            raise WorkerLost(f"the Execute stream ended ({code.name}: {details or 'no details'})")
+
+    def _deliver(self, outputs) -> None:
+        streams = self._streams
+        for output in outputs:
+            request_id = output.request.request_id
+            stream = streams.get(request_id)
+            if stream is None:
+                continue
+            stream.push(output)
+            if output.finish is not None:
+                del streams[request_id]
+
+    def _record(self, core: Scheduler, out: SchedulerOutput, schedule_seconds: float) -> None:
+        m = self.metrics
+        m.schedule_seconds.observe(schedule_seconds)
+        m.step_batch_tokens.observe(out.total_num_scheduled_tokens)
+        m.num_running.set(core.num_running)
+        m.num_waiting.set(core.num_waiting)
+        m.kv_cache_usage.set(core.kv.usage)
+        if out.preempted_ids:
+            m.preemptions.inc(len(out.preempted_ids))
+        if out.new_requests:
+            now = time.monotonic()
+            for new in out.new_requests:
+                request = new.request
+                if request.num_preemptions == 0:
+                    m.queue_seconds.observe(now - request.arrival_time)
+                    m.prefix_queries.inc(request.num_prompt_tokens)
+                    m.prefix_hits.inc(new.num_computed_tokens)
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"
+    return str(e)

@@ -1,0 +1,39 @@
+"""Hash chains over full KV blocks, the keys of the prefix cache.
+
+A block's hash covers its parent's hash, its own token ids and extra keys
+(anything else that changes the block's K/V), so equal hashes mean equal
+prefixes up to and including the block. The hash object keeps the tokens and
+the parent value too, so a cache hit is verified by comparison, not trusted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class BlockHash:
+    value: int
+    parent: int | None
+    token_ids: tuple[int, ...]
+    extra_keys: tuple = ()
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
+    parent_value = parent.value if parent is not None else None
+    tokens = tuple(token_ids)
+    # hash() of a tuple of ints (and None) is stable across processes: PYTHONHASHSEED only salts str/bytes.
+    return BlockHash(hash((parent_value, tokens, extra_keys)), parent_value, tokens, extra_keys)
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()
+) -> list[BlockHash]:
+    """Append the hashes of the full blocks of ``token_ids`` not hashed yet; returns ``hashes``."""
+    num_full = len(token_ids) // block_size
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_full):
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+        hashes.append(parent)
+    return hashes

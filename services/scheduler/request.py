@@ -1,0 +1,88 @@
+"""A request as the scheduler sees it: token ids, stop conditions, state and progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.scheduler.prefix_hash import BlockHash
+
+DEFAULT_MAX_TOKENS = 16
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+
+
+@dataclass(slots=True)
+class StopConditions:
+    """The token-id stop conditions (stop strings belong to the frontend)."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    stop: StopConditions = field(default_factory=StopConditions)
+    # Opaque to the scheduler: handed to the worker as is (a SamplingParams message in the service).
+    sampling: Any = None
+    priority: int = 0
+    arrival_seq: int = 0
+    # Monotonic seconds at arrival (for the queue-time metric).
+    arrival_time: float = 0.0
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+    status: RequestStatus = RequestStatus.WAITING
+    # Prompt followed by outputs; the last token has no K/V yet once anything was sampled.
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache at first admission (-1: not admitted yet).
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    # Hashes of the full blocks of all_token_ids, extended lazily.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    # Whether the worker holds state for this request (it was sent in a NewRequest and not dropped since).
+    on_worker: bool = False
+    # How many of the request's block ids the worker knows.
+    num_blocks_sent: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    def sort_key(self) -> tuple[int, int]:
+        """Order under the priority policy: lower priority value first, then arrival."""
+        return (self.priority, self.arrival_seq)

@@ -1,0 +1,265 @@
+"""The token-budget scheduler: pure Python, a plan out per step and results back.
+
+Each step: running requests first (in admission order), each given the tokens it
+still lacks up to the remaining budget (a prompt longer than the budget is
+prefilled in chunks over several steps); when the pool runs dry, the request
+that would be preempted last is kept and others are preempted by recompute
+(fcfs: the most recently admitted; priority: the lowest priority, latest
+arrival). Then, if nothing was preempted, waiting requests are admitted in queue
+order while budget, sequence cap and blocks allow (head-of-line: admission
+stops at the first request that does not fit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.queues import make_waiting_queue
+from services.scheduler.request import Request, RequestStatus
+
+
+class WorkerProtocolError(RuntimeError):
+    """The worker's result contradicts the plan (a missing or unexpected sampled token)."""
+
+
+@dataclass(slots=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    # Longest sequence, prompt + output; a request reaching it finishes with "length".
+    max_model_len: int
+    policy: str = "fcfs"
+
+
+@dataclass(slots=True)
+class NewRequestPlan:
+    """A request the worker does not hold: sent in full."""
+
+    request: Request
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass(slots=True)
+class RunningRequestPlan:
+    """A request the worker holds: only blocks appended since the last step and the token count."""
+
+    request: Request
+    new_block_ids: list[int]
+    num_scheduled_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_id: int
+    new_requests: list[NewRequestPlan] = field(default_factory=list)
+    running: list[RunningRequestPlan] = field(default_factory=list)
+    # Requests the worker must drop before the step: finished, aborted or preempted since the last plan.
+    finished_ids: list[str] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to compute and nothing to drop: no need to send it."""
+        return not self.total_num_scheduled_tokens and not self.finished_ids
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One sampled token of one request, and how the request ended if it did."""
+
+    request: Request
+    token_id: int
+    logprob: Any = None
+    finish: RequestStatus | None = None
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, eos_token_ids: Iterable[int] = ()):
+        self.limits = limits
+        self.kv = kv
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting = make_waiting_queue(limits.policy)
+        # Admission order; fcfs preempts from the end.
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._drop_on_worker: list[str] = []
+        self._next_arrival = 0
+        self.step_id = 0
+        self.num_preemptions = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running or len(self.waiting) or self._drop_on_worker)
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already live")
+        request.arrival_seq = self._next_arrival
+        self._next_arrival += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Abort in any state; its blocks are freed at once. Returns the request, None if not live."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._release(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def schedule(self) -> SchedulerOutput:
+        self.step_id += 1
+        out = SchedulerOutput(step_id=self.step_id)
+        budget = self.limits.max_num_batched_tokens
+        # request_id -> plan, in scheduling order; a priority preemption may take one back out.
+        planned: dict[str, RunningRequestPlan] = {}
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                self.running.pop(victim_index)
+                self._preempt(victim, out)
+                taken_back = planned.pop(victim.request_id, None)
+                if taken_back is not None:
+                    budget += taken_back.num_scheduled_tokens
+                if victim_index < i:
+                    i -= 1
+                if victim is request:
+                    break
+            else:
+                planned[request.request_id] = RunningRequestPlan(request, [], num_new)
+                budget -= num_new
+                i += 1
+
+        for plan in planned.values():
+            request = plan.request
+            table = self.kv.blocks_of(request.request_id)
+            if len(table) > request.num_blocks_sent:
+                plan.new_block_ids = [block.block_id for block in table[request.num_blocks_sent :]]
+                request.num_blocks_sent = len(table)
+            request.num_computed_tokens += plan.num_scheduled_tokens
+            out.total_num_scheduled_tokens += plan.num_scheduled_tokens
+        out.running = list(planned.values())
+
+        if not out.preempted_ids:
+            self._admit_waiting(out, self.limits.max_num_batched_tokens - out.total_num_scheduled_tokens)
+
+        out.finished_ids = self._drop_on_worker
+        self._drop_on_worker = []
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
+                break
+            self.waiting.pop()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+                self.kv.record_lookup(request.num_tokens, num_hit)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit + num_new
+            request.on_worker = True
+            block_ids = self.kv.block_ids(request.request_id)
+            request.num_blocks_sent = len(block_ids)
+            self.running.append(request)
+            out.new_requests.append(NewRequestPlan(request, block_ids, num_hit, num_new))
+            out.total_num_scheduled_tokens += num_new
+            budget -= num_new
+
+    def _pick_victim(self) -> Request:
+        if self.limits.policy == "priority":
+            return max(self.running, key=Request.sort_key)
+        return self.running[-1]
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.kv.free(request)
+        if request.on_worker:
+            self._drop_on_worker.append(request.request_id)
+        request.on_worker = False
+        request.num_blocks_sent = 0
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        out.preempted_ids.append(request.request_id)
+        self.waiting.add_preempted(request)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: Iterable[tuple[str, int, Any]]) -> list[RequestOutput]:
+        """Apply a step's sampled tokens ``(request_id, token_id, logprob)``; returns them with finish states."""
+        results = []
+        num_finished = 0
+        seen: set[str] = set()
+        for request_id, token_id, logprob in sampled:
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            if request.num_computed_tokens != request.num_tokens:
+                raise WorkerProtocolError(
+                    f"step {out.step_id}: token sampled for {request_id!r} with "
+                    f"{request.num_tokens - request.num_computed_tokens} of its tokens not computed yet"
+                )
+            seen.add(request_id)
+            self.kv.cache_computed_blocks(request)
+            request.all_token_ids.append(token_id)
+            finish = self._check_stop(request, token_id)
+            if finish is not None:
+                del self.requests[request_id]
+                self._release(request, finish)
+                num_finished += 1
+            results.append(RequestOutput(request, token_id, logprob, finish))
+
+        for plans in (out.new_requests, out.running):
+            for plan in plans:
+                request = plan.request
+                if request.status is not RequestStatus.RUNNING or request.request_id in seen:
+                    continue
+                if request.num_computed_tokens == request.num_tokens:
+                    raise WorkerProtocolError(f"step {out.step_id}: no token sampled for {request.request_id!r}")
+                self.kv.cache_computed_blocks(request)  # a prefill chunk that did not reach the end
+
+        if num_finished:
+            self.running = [request for request in self.running if request.status is RequestStatus.RUNNING]
+        return results
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        stop = request.stop
+        num_output = request.num_output_tokens
+        if num_output >= stop.min_tokens and (
+            token_id in stop.stop_token_ids or (not stop.ignore_eos and token_id in self.eos_token_ids)
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= stop.max_tokens or request.num_tokens >= self.limits.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _release(self, request: Request, status: RequestStatus) -> None:
+        self.kv.free(request)
+        if request.on_worker:
+            self._drop_on_worker.append(request.request_id)
+        request.on_worker = False
+        request.status = status

@@ -1,0 +1,195 @@
+"""A fake kvgrid.v1.Worker for tests: a real gRPC server, deterministic tokens, strict protocol checks.
+
+It follows the Execute protocol faithfully: keeps per-request state from the
+diffs, drops finished ids before running a step, samples once a request's
+computed tokens reach the end of its known tokens and keeps that token itself.
+It models the KV cache as ``kv[block][slot] = token id at that position`` and
+checks that every prefix-cache hit reads back the right tokens, that block
+tables cover what is computed, and that no block written in a step belongs to
+another live request. A violation is recorded in ``errors`` and breaks the
+stream with FAILED_PRECONDITION.
+
+Reusable from other suites::
+
+    worker = await start_fake_worker(num_blocks=64, block_size=16)
+    ... config.network.worker_addr = worker.addr ...
+    await worker.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvgrid.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.server import bind, new_server
+
+
+def next_token(token_ids: list[int], vocab_size: int) -> int:
+    """The fake model: the next token is a function of the whole sequence so far."""
+    return (sum(token_ids) * 31 + len(token_ids)) % vocab_size
+
+
+def generate(prompt: list[int], num_tokens: int, vocab_size: int, stop_ids=()) -> list[int]:
+    """What a request gets without any scheduling effects (stops after a token in ``stop_ids``)."""
+    tokens = list(prompt)
+    out = []
+    for _ in range(num_tokens):
+        token = next_token(tokens, vocab_size)
+        tokens.append(token)
+        out.append(token)
+        if token in stop_ids:
+            break
+    return out
+
+
+@dataclass(slots=True)
+class FakeWorkerConfig:
+    num_blocks: int = 64
+    block_size: int = 16
+    max_model_len: int = 1024
+    vocab_size: int = 1000
+    eos_token_ids: tuple[int, ...] = ()
+    model: str = "SmolLM2-135M-Instruct"
+    tokenizer_files: dict[str, bytes] = field(default_factory=dict)
+    max_num_batched_tokens: int = 0
+    max_num_seqs: int = 0
+    worker_id: str = "fake-worker"
+    # Seconds each step takes (lets tests act while a step is in flight).
+    step_delay: float = 0.0
+
+
+@dataclass(slots=True)
+class _Seq:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed: int
+    want_logprobs: bool
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, config: FakeWorkerConfig):
+        self.config = config
+        self.errors: list[str] = []
+        self.num_steps = 0
+        self.num_handshakes = 0
+        self.plans: list[worker_pb2.StepPlan] = []
+        # Set by a test to hold steps (the worker reads the plan, then waits before answering).
+        self.gate = asyncio.Event()
+        self.gate.set()
+        # State of the current Execute stream, exposed for assertions.
+        self.seqs: dict[str, _Seq] = {}
+
+    async def Handshake(self, request, context) -> worker_pb2.HandshakeResponse:
+        self.num_handshakes += 1
+        c = self.config
+        return worker_pb2.HandshakeResponse(
+            model=c.model,
+            architecture="LlamaForCausalLM",
+            dtype="float32",
+            device="cpu",
+            block_size=c.block_size,
+            num_blocks=c.num_blocks,
+            bytes_per_block=1,
+            max_model_len=c.max_model_len,
+            vocab_size=c.vocab_size,
+            eos_token_ids=c.eos_token_ids,
+            memory=worker_pb2.MemoryProfile(method="cpu-configured"),
+            tokenizer_files=c.tokenizer_files,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            max_num_seqs=c.max_num_seqs,
+            worker_id=c.worker_id,
+        )
+
+    async def Execute(self, request_iterator, context):
+        seqs: dict[str, _Seq] = {}
+        self.seqs = seqs
+        kv: dict[int, dict[int, int]] = {}
+        async for plan in request_iterator:
+            self.plans.append(plan)
+            await self.gate.wait()
+            if self.config.step_delay:
+                await asyncio.sleep(self.config.step_delay)
+            try:
+                result = self._step(plan, seqs, kv)
+            except AssertionError as e:
+                self.errors.append(f"step {plan.step_id}: {e}")
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"fake worker: {e}")
+            self.num_steps += 1
+            yield result
+
+    def _step(self, plan: worker_pb2.StepPlan, seqs: dict[str, _Seq], kv: dict[int, dict[int, int]]):
+        bs = self.config.block_size
+        for request_id in plan.finished_ids:
+            assert request_id in seqs, f"finished id {request_id!r} is not held"
+            del seqs[request_id]
+        scheduled: list[tuple[str, int]] = []
+        for new in plan.new_requests:
+            assert new.request_id not in seqs, f"new request {new.request_id!r} is held already"
+            assert new.num_computed_tokens + new.num_scheduled_tokens <= len(new.token_ids), "schedules past the end"
+            assert new.num_computed_tokens % bs == 0, "a prefix hit must cover whole blocks"
+            seq = _Seq(list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.sampling.logprobs > 0)
+            # The prefix hit must read back exactly these tokens.
+            for pos in range(new.num_computed_tokens):
+                got = kv.get(seq.block_ids[pos // bs], {}).get(pos % bs)
+                assert got == seq.token_ids[pos], f"{new.request_id}: stale prefix block at position {pos}"
+            seqs[new.request_id] = seq
+            scheduled.append((new.request_id, new.num_scheduled_tokens))
+        for running in plan.running:
+            assert running.request_id in seqs, f"running request {running.request_id!r} is not held"
+            seqs[running.request_id].block_ids.extend(running.new_block_ids)
+            scheduled.append((running.request_id, running.num_scheduled_tokens))
+
+        holders: dict[int, list[str]] = {}
+        for request_id, seq in seqs.items():
+            for block_id in seq.block_ids:
+                assert 0 <= block_id < self.config.num_blocks, f"block id {block_id} out of range"
+                holders.setdefault(block_id, []).append(request_id)
+        sampled = []
+        for request_id, num_scheduled in scheduled:
+            seq = seqs[request_id]
+            assert num_scheduled > 0, f"{request_id}: zero tokens scheduled"
+            end = seq.num_computed + num_scheduled
+            assert end <= len(seq.token_ids), f"{request_id}: schedules {end} tokens, knows {len(seq.token_ids)}"
+            assert len(seq.block_ids) * bs >= end, f"{request_id}: {len(seq.block_ids)} blocks for {end} tokens"
+            assert len(set(seq.block_ids)) == len(seq.block_ids), f"{request_id}: a block twice in its table"
+            for pos in range(seq.num_computed, end):
+                block_id = seq.block_ids[pos // bs]
+                owners = holders[block_id]
+                assert owners == [request_id], f"{request_id} writes block {block_id}, held by {owners}"
+                kv.setdefault(block_id, {})[pos % bs] = seq.token_ids[pos]
+            seq.num_computed = end
+            if end == len(seq.token_ids):
+                token = next_token(seq.token_ids, self.config.vocab_size)
+                seq.token_ids.append(token)
+                item = worker_pb2.SampledToken(request_id=request_id, token_id=token)
+                if seq.want_logprobs:
+                    item.logprob.CopyFrom(common_pb2.TokenLogprob(token_id=token, logprob=-1.0))
+                sampled.append(item)
+        return worker_pb2.StepResult(step_id=plan.step_id, sampled=sampled, execute_seconds=0.0)
+
+
+@dataclass(slots=True)
+class FakeWorkerServer:
+    server: grpc.aio.Server
+    port: int
+    worker: FakeWorker
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop at once (grace None): open Execute streams break mid-step."""
+        await self.server.stop(grace)
+
+
+async def start_fake_worker(port: int = 0, **config) -> FakeWorkerServer:
+    worker = FakeWorker(FakeWorkerConfig(**config))
+    server = new_server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(worker, server)
+    bound = bind(server, "127.0.0.1", port)
+    await server.start()
+    return FakeWorkerServer(server, bound, worker)
