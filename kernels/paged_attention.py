@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 # Finite stand-in for -inf as the running max: exp2(NEG_BIG - NEG_BIG) is 1, not NaN.
@@ -69,8 +70,9 @@ def paged_attention_kernel(
     QUERIES_PER_KV: tl.constexpr,  # num_heads // num_kv_heads
     BLOCK_Q: tl.constexpr,  # query tokens per program
     BLOCK_M: tl.constexpr,  # rows per program, power of two >= BLOCK_Q * QUERIES_PER_KV
-    TILE_N: tl.constexpr,  # keys per inner iteration (any multiple or divisor of BLOCK_SIZE)
+    TILE_N: tl.constexpr,  # keys per inner iteration; each key looks up its own block, so any power of two >= 16
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no tf32 rounding), else "tf32" (unused for 16-bit)
+    DOT_IN_FP32: tl.constexpr,  # upcast dot operands: the interpreter's tl.dot misreads bfloat16 (triton#11584)
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -96,6 +98,8 @@ def paged_attention_kernel(
     q_offsets = token[:, None] * stride_q_t + head[:, None] * stride_q_h + dims[None, :]
     q_mask = row_valid[:, None] & dim_valid[None, :]
     q = tl.load(query_ptr + q_offsets, mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_PAD]
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)  # running max of log2-scaled scores
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running softmax denominator
@@ -112,11 +116,15 @@ def paged_attention_kernel(
         # int64 before the multiply: block_id * stride_k_block passes 2**31 on large caches.
         block_id = tl.load(block_table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         slot = (key_pos % BLOCK_SIZE).to(tl.int64)
-        kv_mask = key_valid[None, :] & dim_valid[:, None]
+        k_mask = dim_valid[:, None] & key_valid[None, :]  # [HEAD_PAD, TILE_N]
         k_offsets = block_id[None, :] * stride_k_block + slot[None, :] * stride_k_slot + kv_head * stride_k_head
-        k = tl.load(k_cache_ptr + k_offsets + dims[:, None], mask=kv_mask, other=0.0)  # [HEAD_PAD, TILE_N]
+        k = tl.load(k_cache_ptr + k_offsets + dims[:, None], mask=k_mask, other=0.0)  # [HEAD_PAD, TILE_N]
         v_offsets = block_id[:, None] * stride_v_block + slot[:, None] * stride_v_slot + kv_head * stride_v_head
-        v = tl.load(v_cache_ptr + v_offsets + dims[None, :], mask=tl.trans(kv_mask), other=0.0)  # [TILE_N, HEAD_PAD]
+        v_mask = key_valid[:, None] & dim_valid[None, :]
+        v = tl.load(v_cache_ptr + v_offsets + dims[None, :], mask=v_mask, other=0.0)  # [TILE_N, HEAD_PAD]
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         causal = key_pos[None, :] <= q_pos[:, None]
@@ -170,6 +178,8 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
 
+    # The interpreter's tl.dot multiplies bfloat16 bit patterns; native CUDA keeps bfloat16 tensor-core dots.
+    dot_in_fp32 = query.dtype == torch.bfloat16 and isinstance(paged_attention_kernel, InterpretedFunction)
     queries_per_kv = num_heads // num_kv_heads
     block_m = _rows_per_program(queries_per_kv, max_query_len)
     block_q = block_m // queries_per_kv
@@ -202,6 +212,7 @@ def paged_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         TILE_N=tile_n,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 or dot_in_fp32 else "tf32",
+        DOT_IN_FP32=dot_in_fp32,
     )
     return out

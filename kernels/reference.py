@@ -31,14 +31,14 @@ def paged_attention_reference(
         q_len = q.shape[0]
         assert q_len <= max_query_len
         num_blocks = -(-seq_len // block_size)
-        blocks = block_tables[i, :num_blocks].long()
+        blocks = block_tables[i, :num_blocks].long().to(k_cache.device)
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()  # [seq_len, kv_heads, d]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
         k = k.repeat_interleave(queries_per_kv, dim=1)  # [seq_len, num_heads, head_dim]
         v = v.repeat_interleave(queries_per_kv, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, q_len, seq_len]
-        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        k_pos = torch.arange(seq_len)[None, :]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = scores.softmax(dim=-1)
         result[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)

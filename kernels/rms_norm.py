@@ -39,8 +39,10 @@ def rms_norm_kernel(
     h = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / HIDDEN + eps)
     normed = (h * inv_rms).to(x_ptr.dtype.element_ty)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    # Products in float32, then one rounding: what torch does for a 16-bit multiply.
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = weight * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(

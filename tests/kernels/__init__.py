@@ -1,0 +1,1 @@
+"""Triton kernel tests: each kernel against its torch reference, through the interpreter on CPU."""
