@@ -1,0 +1,158 @@
+"""Putting a worker together without gRPC: device and dtype, model, memory plan, KV cache, runner.
+
+Used by ``main`` (and ``server.start_worker``), the benchmark and other suites' parity tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .attention import get_backend
+from .kv_cache import allocate_kv_cache
+from .loader import ModelLoadError, ModelSource, build_model, read_config, resolve_source
+from .memory import MemoryFigures, bytes_per_block, check_fits, cpu_figures, cuda_figures, read_meminfo
+from .model_runner import ModelRunner, profile_cache_blocks
+from .models.llama import LlamaArgs, LlamaForCausalLM
+from .sampling import Sampler
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    source: ModelSource
+    hf_config: Any
+    args: LlamaArgs
+    model: LlamaForCausalLM
+    dtype: torch.dtype
+    device: torch.device
+    load_seconds: float
+
+    @property
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def block_bytes(self, block_size: int) -> int:
+        a = self.args
+        return bytes_per_block(a.num_layers, block_size, a.num_kv_heads, a.head_dim, self.dtype.itemsize)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for but no CUDA device is available")
+    device = torch.device(name)
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+    )
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """AVX512-BF16 or AMX: without them bfloat16 matmuls are emulated and slower than float32."""
+    try:
+        with open(cpuinfo) as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 where the hardware computes in it, else float16 (older GPUs) or float32 (CPU)."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def load_model(
+    model_path: str,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    attention_backend: str = "auto",
+    load_format: str = "auto",
+) -> LoadedModel:
+    """Raises ModelLoadError (one line) for a bad path, architecture or file."""
+    started = time.perf_counter()
+    source = resolve_source(model_path, load_format)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    hf_config, args = read_config(source)
+    backend = get_backend(attention_backend, str(torch_device))
+    model = build_model(source, hf_config, args, backend, torch_dtype, torch_device)
+    seconds = time.perf_counter() - started
+    log.info("loaded %s (%s, %s on %s) in %.1fs", model_path, args.architecture, torch_dtype, torch_device, seconds)
+    return LoadedModel(source, hf_config, args, model, torch_dtype, torch_device, seconds)
+
+
+def max_model_len(args: LlamaArgs, hf_config: Any, configured: int) -> int:
+    """The model's own limit (a sliding window caps it: kvgrid attends over full context), or less if asked."""
+    limit = args.max_position_embeddings
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, window)
+    return min(limit, configured) if configured > 0 else limit
+
+
+def plan_memory(
+    loaded: LoadedModel,
+    *,
+    block_size: int,
+    max_len: int,
+    kv_cache_memory: int = 0,
+    gpu_memory_utilization: float = 0.9,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 128,
+    seed: int | None = None,
+) -> MemoryFigures:
+    """The block count; raises InsufficientMemory when one max-length sequence does not fit."""
+    block_bytes = loaded.block_bytes(block_size)
+    if loaded.device.type == "cuda":
+        figures = _profile_cuda(
+            loaded, block_size, block_bytes, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, seed
+        )
+        where = "raise --gpu-memory-utilization or lower --max-model-len"
+    else:
+        mem_total, mem_available = read_meminfo()
+        figures = cpu_figures(kv_cache_memory, mem_total, mem_available, loaded.weights_bytes, block_bytes)
+        where = "raise --kv-cache-memory or lower --max-model-len"
+    check_fits(figures.num_blocks, block_size, max_len, block_bytes, where)
+    return figures
+
+
+def _profile_cuda(loaded, block_size, block_bytes, utilization, num_tokens, num_seqs, seed) -> MemoryFigures:
+    """Dummy forward of the largest step, then peak and non-torch usage from the device's own counters."""
+    device = loaded.device
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    weights = torch.cuda.memory_allocated(device)
+    num_profile_blocks = profile_cache_blocks(num_tokens, num_seqs, block_size)
+    runner = create_runner(loaded, block_size, num_profile_blocks, seed)
+    runner.profile_run(num_tokens, num_seqs)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - weights
+    free, total = torch.cuda.mem_get_info(device)
+    non_torch = max(total - free - torch.cuda.memory_reserved(device), 0)
+    del runner
+    torch.cuda.empty_cache()
+    return cuda_figures(total, utilization, weights, peak, non_torch, block_bytes)
+
+
+def create_runner(loaded: LoadedModel, block_size: int, num_blocks: int, seed: int | None = None) -> ModelRunner:
+    """Allocates the KV cache and wraps model, cache and sampler."""
+    a = loaded.args
+    kv_caches = allocate_kv_cache(
+        a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim, loaded.dtype, loaded.device
+    )
+    sampler = Sampler(a.vocab_size, loaded.device, seed)
+    return ModelRunner(loaded.model, kv_caches, block_size, sampler, loaded.device)

@@ -1,0 +1,158 @@
+"""One step: request states -> flat batch tensors (built once) -> forward -> logits of sampling rows -> tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvgrid.v1 import common_pb2
+
+from .attention.base import AttentionMetadata
+from .models.llama import LlamaForCausalLM
+from .sampling import Sampler
+from .sampling_params import RequestSampling
+from .state import RequestState
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [R] int64, the last row of each request that samples
+    sampling_requests: list[RequestState]  # row i of the logits belongs to sampling_requests[i]
+    batch: list[RequestState]  # in the order of the flat batch (decodes first)
+
+
+@dataclass(slots=True)
+class SampledRow:
+    request: RequestState
+    token_id: int
+    logprob: common_pb2.TokenLogprob | None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        sampler: Sampler,
+        device: torch.device,
+    ):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sampler = sampler
+        self.device = torch.device(device)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_caches[0][0].shape[0]
+
+    def prepare(self, requests: list[RequestState]) -> StepInputs:
+        """Python lists first, one tensor each at the end. Decodes go first: the torch attention
+        backend batches the leading run of single-token requests."""
+        batch = sorted(requests, key=lambda r: r.num_scheduled_tokens != 1)
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        sampling_requests: list[RequestState] = []
+        for r in batch:
+            start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_scheduled_tokens
+            blocks = r.block_ids
+            input_ids += r.token_ids[start:end]
+            positions += range(start, end)
+            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(end)
+            tables.append(blocks[: -(-end // bs)])
+            if end == len(r.token_ids):
+                logits_indices.append(len(input_ids) - 1)
+                sampling_requests.append(r)
+        width = max(len(t) for t in tables)
+        query_lens = [r.num_scheduled_tokens for r in batch]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            sampling_requests=sampling_requests,
+            batch=batch,
+        )
+
+    @torch.inference_mode()
+    def compute_logits(self, inputs: StepInputs) -> torch.Tensor:  # [R, vocab]
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)  # [T, E]
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def execute(self, requests: list[RequestState]) -> list[SampledRow]:
+        """Run one step and commit it: computed counts advance, sampled tokens join their requests."""
+        if not requests:
+            return []
+        inputs = self.prepare(requests)
+        logits = self.compute_logits(inputs)
+        rows: list[SampledRow] = []
+        if inputs.sampling_requests:
+            with torch.inference_mode():
+                out = self.sampler(logits, [r.sampling for r in inputs.sampling_requests])
+            rows = [
+                SampledRow(r, token, lp)
+                for r, token, lp in zip(inputs.sampling_requests, out.token_ids, out.logprobs, strict=True)
+            ]
+        for r in requests:
+            r.num_computed_tokens += r.num_scheduled_tokens
+            r.num_scheduled_tokens = 0
+        for row in rows:
+            row.request.token_ids.append(row.token_id)
+            row.request.sampling.append(row.token_id)
+        return rows
+
+    def profile_run(self, num_tokens: int, num_seqs: int) -> None:
+        """A dummy step of ``num_tokens`` prompt tokens over ``num_seqs`` requests that all sample.
+
+        The cache must hold ``profile_cache_blocks(num_tokens, num_seqs, block_size)`` blocks."""
+        num_seqs = max(1, min(num_seqs, num_tokens))
+        per_seq, extra = divmod(num_tokens, num_seqs)
+        next_block = 0
+        requests = []
+        for i in range(num_seqs):
+            n = per_seq + (1 if i < extra else 0)
+            num_blocks = -(-n // self.block_size)
+            requests.append(
+                RequestState(
+                    request_id=f"profile-{i}",
+                    token_ids=[0] * n,
+                    num_prompt_tokens=n,
+                    block_ids=list(range(next_block, next_block + num_blocks)),
+                    num_computed_tokens=0,
+                    sampling=RequestSampling.create(common_pb2.SamplingParams(), [0] * n, []),
+                    num_scheduled_tokens=n,
+                )
+            )
+            next_block += num_blocks
+        self.execute(requests)
+
+
+def profile_cache_blocks(num_tokens: int, num_seqs: int, block_size: int) -> int:
+    """Blocks the dummy step of ``ModelRunner.profile_run`` touches."""
+    num_seqs = max(1, min(num_seqs, num_tokens))
+    longest = -(-num_tokens // num_seqs)
+    return num_seqs * -(-longest // block_size)

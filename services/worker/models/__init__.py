@@ -1,0 +1,1 @@
+"""Model code, one module per architecture family."""

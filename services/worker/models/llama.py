@@ -1,0 +1,223 @@
+"""The Llama family (Llama, Mistral, Qwen2, SmolLM): one flat varlen batch over a paged KV cache.
+
+Shapes: T tokens in the step (all requests concatenated), H query heads, KV key/value
+heads, D head dim, E hidden size, I intermediate size. q/k/v and gate/up projections are
+fused into one matmul each when the weights are loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.base import AttentionBackend, AttentionMetadata
+from .rope import apply_rotary, cos_sin_tables
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(slots=True)
+class LlamaArgs:
+    """What the model needs from a Hugging Face config, as plain values."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> LlamaArgs:
+        rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        qwen2 = cfg.model_type == "qwen2"
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        num_heads = cfg.num_attention_heads
+        return cls(
+            architecture=(cfg.architectures or [_DEFAULT_ARCH.get(cfg.model_type, "")])[0],
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_layers=cfg.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_theta=float(theta),
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qkv_bias=qwen2 or attention_bias,
+            o_bias=attention_bias and not qwen2,
+            mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
+            rope_scaling=rope,
+        )
+
+
+_DEFAULT_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adds ``residual`` first when given; returns (normed, the new residual stream)."""
+        if residual is not None:
+            x = x + residual
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.scale = args.head_dim**-0.5
+        self.backend = backend
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, E]
+        cos: torch.Tensor,  # [T, 1, D/2]
+        sin: torch.Tensor,  # [T, 1, D/2]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, KV, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, E]
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2*KV) * D]
+        # q and k are adjacent columns: one rotary call covers both.
+        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KV, D]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, backend)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, residual, cos, sin, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Build on the meta device, move with ``to_empty``, then ``load_weights``; call ``init_rope`` on the target."""
+
+    def __init__(self, args: LlamaArgs, backend: AttentionBackend):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, backend) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.cos: torch.Tensor | None = None  # [max_positions, D/2]
+        self.sin: torch.Tensor | None = None
+
+    def init_rope(self) -> None:
+        a, w = self.args, self.embed_tokens.weight
+        self.cos, self.sin = cos_sin_tables(
+            a.head_dim, a.rope_theta, a.rope_scaling, a.max_position_embeddings, w.dtype, w.device
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (k, v) pair per layer
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, E] hidden states before the final norm
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D/2]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return x + residual
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, E] -> [R, vocab]
+        """Only the rows that sample: the final norm is per row, so it runs after the selection."""
+        normed, _ = self.norm(hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(normed, weight)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the fused parameters; raises on gaps."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        a = self.args
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        # checkpoint part -> (our part, row offset in the fused tensor)
+        fused = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", q),
+            "v_proj": ("qkv_proj", q + kv),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", a.intermediate_size),
+        }
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            parts = name.split(".")
+            offset = None
+            if len(parts) >= 2 and parts[-2] in fused:
+                parts[-2], offset = fused[parts[-2]]
+            target = ".".join(parts)
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r} in the checkpoint")
+            param = params[target].data
+            if offset is not None:
+                param = param[offset : offset + tensor.shape[0]]
+            if param.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            param.copy_(tensor)
+            loaded.add(target if offset is None else f"{target}@{offset}")
+        expected = {n for n in params if not any(p in n for p in ("qkv_proj", "gate_up_proj"))}
+        for n in params:
+            if "qkv_proj" in n:
+                expected |= {f"{n}@0", f"{n}@{q}", f"{n}@{q + kv}"}
+            elif "gate_up_proj" in n:
+                expected |= {f"{n}@0", f"{n}@{a.intermediate_size}"}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")

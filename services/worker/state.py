@@ -1,0 +1,124 @@
+"""Per-request state the worker keeps between steps, updated from each StepPlan's new requests and diffs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvgrid.v1 import common_pb2, worker_pb2
+from services.common.errors import InvalidArgument
+
+from .sampling_params import RequestSampling
+
+SamplingFactory = Callable[[common_pb2.SamplingParams, list[int], list[int]], RequestSampling]
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    token_ids: list[int]  # prompt + every output known so far, including tokens this worker sampled
+    num_prompt_tokens: int
+    block_ids: list[int]  # append-only block table
+    num_computed_tokens: int  # leading tokens whose K/V are in the cache
+    sampling: RequestSampling
+    num_scheduled_tokens: int = 0  # tokens to compute in the current step
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def samples_this_step(self) -> bool:
+        """After this step every known token is computed, so the next one can be sampled."""
+        return self.num_computed_tokens + self.num_scheduled_tokens == len(self.token_ids)
+
+
+class RequestStates:
+    """All requests of one Execute stream; a new stream starts empty."""
+
+    def __init__(
+        self, block_size: int, num_blocks: int, vocab_size: int, max_model_len: int, make_sampling: SamplingFactory
+    ):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.make_sampling = make_sampling
+        self.requests: dict[str, RequestState] = {}
+
+    def apply(self, plan: worker_pb2.StepPlan) -> list[RequestState]:
+        """Drop finished ids, add new requests, apply diffs; returns the requests scheduled this step.
+
+        Validates the whole plan before changing anything, so a bad plan leaves the state as it was.
+        """
+        dropped = set(plan.finished_ids)
+        seen: set[str] = set()
+        for new in plan.new_requests:
+            self._check_new(new, dropped, seen)
+        for run in plan.running:
+            self._check_running(run, dropped, seen)
+        for request_id in plan.finished_ids:
+            self.requests.pop(request_id, None)
+        scheduled = []
+        for new in plan.new_requests:
+            token_ids = list(new.token_ids)
+            prompt = token_ids[: new.num_prompt_tokens]
+            state = RequestState(
+                request_id=new.request_id,
+                token_ids=token_ids,
+                num_prompt_tokens=new.num_prompt_tokens,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                sampling=self.make_sampling(new.sampling, prompt, token_ids[new.num_prompt_tokens :]),
+                num_scheduled_tokens=new.num_scheduled_tokens,
+                trace_context=dict(new.trace_context),
+            )
+            self.requests[new.request_id] = state
+            scheduled.append(state)
+        for run in plan.running:
+            state = self.requests[run.request_id]
+            state.block_ids.extend(run.new_block_ids)
+            state.num_scheduled_tokens = run.num_scheduled_tokens
+            scheduled.append(state)
+        return scheduled
+
+    def _check_new(self, new: worker_pb2.NewRequest, dropped: set[str], seen: set[str]) -> None:
+        rid = new.request_id
+        if not rid:
+            raise InvalidArgument("new_requests.request_id", "must not be empty")
+        if rid in seen or (rid in self.requests and rid not in dropped):
+            raise InvalidArgument("new_requests.request_id", f"request {rid!r} is already known to the worker")
+        seen.add(rid)
+        n = len(new.token_ids)
+        if n == 0 or not 0 < new.num_prompt_tokens <= n:
+            raise InvalidArgument("new_requests.num_prompt_tokens", f"{rid}: must be in [1, {n}] (token_ids: {n})")
+        if max(new.token_ids) >= self.vocab_size:
+            raise InvalidArgument("new_requests.token_ids", f"{rid}: token id past the vocabulary ({self.vocab_size})")
+        self._check_blocks(rid, "new_requests.block_ids", new.block_ids)
+        self._check_span(rid, "new_requests", new.num_computed_tokens, new.num_scheduled_tokens, n, len(new.block_ids))
+
+    def _check_running(self, run: worker_pb2.RunningRequest, dropped: set[str], seen: set[str]) -> None:
+        rid = run.request_id
+        if rid in seen:
+            raise InvalidArgument("running.request_id", f"request {rid!r} appears twice in the step")
+        seen.add(rid)
+        state = self.requests.get(rid)
+        if state is None or rid in dropped:
+            raise InvalidArgument("running.request_id", f"request {rid!r} is not known to the worker")
+        self._check_blocks(rid, "running.new_block_ids", run.new_block_ids)
+        num_blocks = len(state.block_ids) + len(run.new_block_ids)
+        self._check_span(
+            rid, "running", state.num_computed_tokens, run.num_scheduled_tokens, len(state.token_ids), num_blocks
+        )
+
+    def _check_blocks(self, rid: str, where: str, block_ids) -> None:
+        if block_ids and max(block_ids) >= self.num_blocks:
+            raise InvalidArgument(where, f"{rid}: block id {max(block_ids)} past the cache ({self.num_blocks} blocks)")
+
+    def _check_span(self, rid: str, where: str, computed: int, scheduled: int, known: int, num_blocks: int) -> None:
+        end = computed + scheduled
+        if scheduled == 0 or end > known:
+            raise InvalidArgument(
+                f"{where}.num_scheduled_tokens", f"{rid}: {computed} computed + {scheduled} scheduled, {known} known"
+            )
+        if end > self.max_model_len:
+            raise InvalidArgument(f"{where}.num_scheduled_tokens", f"{rid}: {end} tokens exceed max_model_len")
+        if num_blocks * self.block_size < end:
+            raise InvalidArgument(f"{where}.block_ids", f"{rid}: {num_blocks} blocks cannot hold {end} tokens")

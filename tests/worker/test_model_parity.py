@@ -1,0 +1,83 @@
+"""kvgrid's Llama-family model equals Hugging Face transformers on tiny random configurations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.engine import create_runner, load_model
+from tests.worker.tiny import hf_model, request, run_logits, save_tiny_model
+
+CONFIGS = {
+    "llama-gqa-untied": ("llama", {}),
+    "llama-tied-mha": ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    "llama-mqa": ("llama", {"num_key_value_heads": 1}),
+    "llama3-rope": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        },
+    ),
+    "linear-rope": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "yarn-rope": (
+        "llama",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
+    ),
+    "qwen2-bias-tied": ("qwen2", {"tie_word_embeddings": True}),
+    "mistral": ("mistral", {"sliding_window": None}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request, tmp_path_factory):
+    kind, overrides = CONFIGS[request.param]
+    path = save_tiny_model(str(tmp_path_factory.mktemp(request.param)), kind, **overrides)
+    loaded = load_model(path, dtype="float32", device="cpu", attention_backend="torch")
+    return loaded, hf_model(path)
+
+
+def test_logits_equal_transformers(pair):
+    loaded, hf = pair
+    runner = create_runner(loaded, block_size=4, num_blocks=64)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 160, (n,), generator=g).tolist() for n in (1, 7, 23, 40)]
+    # Scattered, non-contiguous block tables.
+    perm = torch.randperm(64, generator=g).tolist()
+    requests, offset = [], 0
+    for i, p in enumerate(prompts):
+        num_blocks = -(-len(p) // 4)
+        requests.append(request(f"r{i}", p, perm[offset : offset + num_blocks], 0, len(p)))
+        offset += num_blocks
+    inputs = runner.prepare(requests)
+    hidden = loaded.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+    logits_all = loaded.model.compute_logits(hidden)
+    starts = inputs.meta.query_start_loc.tolist()
+    for i, r in enumerate(inputs.batch):  # every row, not only the sampling ones
+        ours = logits_all[starts[i] : starts[i + 1]]
+        with torch.no_grad():
+            ref = hf(torch.tensor([r.token_ids])).logits[0]
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_and_decode_equal_transformers(pair):
+    loaded, hf = pair
+    runner = create_runner(loaded, block_size=4, num_blocks=32)
+    tokens = torch.randint(0, 160, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    blocks = [9, 3, 17, 0, 25, 12, 6, 30]
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    r = request("a", tokens[:21], blocks, 0, 8)
+    assert run_logits(runner, [r]) == {}  # a chunk that does not finish the prompt samples nothing
+    r.num_scheduled_tokens = 13
+    torch.testing.assert_close(run_logits(runner, [r])["a"], ref[20], atol=1e-4, rtol=1e-4)
+    for t in tokens[21:]:  # decode steps, feeding the reference tokens
+        r.token_ids.append(t)
+        r.num_scheduled_tokens = 1
+        got = run_logits(runner, [r])["a"]
+        torch.testing.assert_close(got, ref[len(r.token_ids) - 1], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,78 @@
+"""Tiny random Hugging Face models written to a directory, and helpers to drive the runner directly."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from kvgrid.v1 import common_pb2  # noqa: E402
+from services.worker.sampling_params import RequestSampling  # noqa: E402
+from services.worker.state import RequestState  # noqa: E402
+
+BASE = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+
+def save_tiny_model(path: str, kind: str = "llama", seed: int = 0, **overrides) -> str:
+    """A random ``kind`` ("llama", "qwen2" or "mistral") causal LM saved as safetensors in ``path``."""
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[kind]
+    config = config_cls(**{**BASE, **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    with torch.no_grad():  # random init leaves norms at 1 and biases at 0: perturb them so they are tested
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def hf_model(path: str, dtype: torch.dtype = torch.float32):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def greedy() -> RequestSampling:
+    return RequestSampling.create(common_pb2.SamplingParams(), [], [])
+
+
+def request(rid: str, token_ids: list[int], block_ids: list[int], computed: int, scheduled: int) -> RequestState:
+    return RequestState(
+        request_id=rid,
+        token_ids=list(token_ids),
+        num_prompt_tokens=len(token_ids),
+        block_ids=list(block_ids),
+        num_computed_tokens=computed,
+        sampling=greedy(),
+        num_scheduled_tokens=scheduled,
+    )
+
+
+def run_logits(runner, requests: list[RequestState]) -> dict[str, torch.Tensor]:
+    """Forward one step and commit the computed counts; logits of the sampling rows by request id."""
+    inputs = runner.prepare(requests)
+    logits = runner.compute_logits(inputs)
+    for r in requests:
+        r.num_computed_tokens += r.num_scheduled_tokens
+        r.num_scheduled_tokens = 0
+    return {r.request_id: logits[i] for i, r in enumerate(inputs.sampling_requests)}
