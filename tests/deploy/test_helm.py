@@ -1,0 +1,282 @@
+"""helm/kvgrid: linted and rendered by the Helm Go SDK, every manifest valid against the Kubernetes schemas,
+and wired so that probes, Services and peer addresses point at ports the containers really open."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from services.common import config as cfg
+from tests.deploy import compose
+
+CHART = compose.ROOT / "helm" / "kvgrid"
+KUBE_VERSION = "1.30.0"
+NAMESPACE = "llm"
+RELEASE = "demo"
+NETWORK_FIELDS = {f.name for f in dataclasses.fields(cfg.NetworkConfig)}
+CONFIG_VARIABLES = {cfg.env_name(f.name) for s in cfg.ALL_SECTIONS for f in dataclasses.fields(s)}
+
+
+def _values(name: str) -> dict:
+    return yaml.safe_load((CHART / "ci" / f"{name}-values.yaml").read_text())
+
+
+VARIANTS = {
+    "default": {},
+    "cpu": _values("cpu"),
+    "gpu": _values("gpu"),
+    "autoscaling": _values("autoscaling"),
+}
+
+
+@pytest.fixture(scope="module")
+def chart():
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+def _render(chart, values: dict) -> tuple[list[dict], str]:
+    rendered = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects = [
+        doc
+        for path, text in rendered.items()
+        if not path.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
+    return objects, rendered[f"{CHART.name}/templates/NOTES.txt"]
+
+
+@pytest.fixture(scope="module")
+def rendered(chart):
+    return {name: _render(chart, values)[0] for name, values in VARIANTS.items()}
+
+
+def _kind(objects: list[dict], kind: str) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def _one(objects: list[dict], kind: str, component: str) -> dict:
+    found = [o for o in _kind(objects, kind) if o["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+    assert len(found) == 1, f"expected one {kind} for {component}, got {len(found)}"
+    return found[0]
+
+
+def _workloads(objects: list[dict]) -> list[dict]:
+    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_chart_lints_clean(variant):
+    report = helm.lint(CHART, VARIANTS[variant], namespace=NAMESPACE, kube_version="v" + KUBE_VERSION)
+    assert report["errors"] == []
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_manifest_validates_against_kubernetes_schemas(rendered, variant):
+    objects = rendered[variant]
+    assert {"ConfigMap", "Deployment", "StatefulSet", "Service", "PodDisruptionBudget"} <= {o["kind"] for o in objects}
+    for obj in objects:
+        if obj["kind"] == "ServiceMonitor":  # a CRD: checked in test_service_monitor_scrapes_every_service
+            continue
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+def test_validation_catches_a_broken_manifest(rendered):
+    worker = _one(rendered["default"], "StatefulSet", "worker")
+    broken = yaml.safe_load(yaml.safe_dump(worker))
+    broken["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "grpc"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("variant", ("default", "gpu"))
+def test_worker_requests_a_gpu_and_tolerates_gpu_nodes(rendered, variant):
+    pod = _one(rendered[variant], "StatefulSet", "worker")["spec"]["template"]["spec"]
+    resources = pod["containers"][0]["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == 1
+    assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
+
+
+def test_gpu_values_pin_workers_to_gpu_nodes_and_mount_the_models(rendered):
+    pod = _one(rendered["gpu"], "StatefulSet", "worker")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/models")
+    assert mount["readOnly"] is True
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["persistentVolumeClaim"]["claimName"] == "llm-models"
+
+
+def test_cpu_values_request_no_gpu(rendered):
+    pod = _one(rendered["cpu"], "StatefulSet", "worker")["spec"]["template"]["spec"]
+    resources = pod["containers"][0]["resources"]
+    assert "nvidia.com/gpu" not in resources.get("limits", {}) | resources.get("requests", {})
+    assert pod["containers"][0]["image"].endswith(":cpu")
+
+
+def _port_numbers(container: dict) -> tuple[set[int], set[str]]:
+    ports = container.get("ports", [])
+    return {p["containerPort"] for p in ports}, {p["name"] for p in ports if "name" in p}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_probe_points_at_an_exposed_port(rendered, variant):
+    for workload in _workloads(rendered[variant]):
+        for container in workload["spec"]["template"]["spec"]["containers"]:
+            numbers, names = _port_numbers(container)
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                probe = container.get(kind)
+                assert probe, f"{workload['metadata']['name']} has no {kind}"
+                action = probe.get("grpc") or probe.get("tcpSocket") or probe.get("httpGet")
+                assert action, f"{kind} of {container['name']} checks no port"
+                port = action["port"]
+                assert port in numbers or port in names, f"{container['name']} {kind} probes {port}, not exposed"
+            assert "grpc" in container["readinessProbe"], f"{container['name']}: readiness must use gRPC health"
+
+
+def test_startup_budget_covers_model_loading(rendered):
+    for workload in _workloads(rendered["default"]):
+        probe = workload["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+        budget = probe["periodSeconds"] * probe["failureThreshold"]
+        assert budget >= 600, f"{workload['metadata']['name']}: {budget}s to start is too short for a model load"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_services_target_named_ports_of_the_pods_they_select(rendered, variant):
+    objects = rendered[variant]
+    for service in _kind(objects, "Service"):
+        pods = [
+            w["spec"]["template"]
+            for w in _workloads(objects)
+            if _matches(service["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])
+        ]
+        assert pods, f"service {service['metadata']['name']} selects no pod"
+        for pod in pods:
+            names = {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
+            for port in service["spec"]["ports"]:
+                assert port["targetPort"] in names, f"{service['metadata']['name']}: no port {port['targetPort']}"
+
+
+@pytest.mark.parametrize("variant", ("default", "gpu"))
+def test_each_scheduler_dials_its_own_worker_through_the_headless_service(rendered, variant):
+    objects = rendered[variant]
+    sts = _one(objects, "StatefulSet", "worker")
+    service = next(s for s in _kind(objects, "Service") if s["metadata"]["name"] == sts["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None"
+    assert _matches(service["spec"]["selector"], sts["spec"]["template"]["metadata"]["labels"])
+    worker_port = sts["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+    schedulers = [d for d in _kind(objects, "Deployment") if d["metadata"]["labels"].get("kvgrid.io/group")]
+    assert len(schedulers) == sts["spec"]["replicas"] == VARIANTS[variant].get("groups", 1)
+    addrs = set()
+    for deployment in schedulers:
+        assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+        group = deployment["metadata"]["labels"]["kvgrid.io/group"]
+        addr = _env(deployment["spec"]["template"]["spec"]["containers"][0])["KVGRID_WORKER_ADDR"]
+        pod_dns = f"{sts['metadata']['name']}-{group}.{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+        assert addr == f"{pod_dns}:{worker_port}"
+        addrs.add(addr)
+    assert len(addrs) == len(schedulers), "two schedulers drive one worker"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_tokenizer_reaches_the_schedulers(rendered, variant):
+    objects = rendered[variant]
+    tokenizer = _one(objects, "Deployment", "tokenizer")
+    host, port = _env(tokenizer["spec"]["template"]["spec"]["containers"][0])["KVGRID_SCHEDULER_ADDR"].split(":")
+    service = _one(objects, "Service", "scheduler")
+    assert host == f"{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+    assert service["spec"]["clusterIP"] == "None"
+    for deployment in (d for d in _kind(objects, "Deployment") if d["metadata"]["labels"].get("kvgrid.io/group")):
+        pod = deployment["spec"]["template"]
+        assert _matches(service["spec"]["selector"], pod["metadata"]["labels"])
+        assert int(port) in _port_numbers(pod["spec"]["containers"][0])[0]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_containers_are_configured_by_known_kvgrid_variables(rendered, variant):
+    objects = rendered[variant]
+    configmap = _kind(objects, "ConfigMap")[0]
+    expected = {cfg.env_name(f.name) for s in cfg.ALL_SECTIONS for f in dataclasses.fields(s)}
+    expected -= {cfg.env_name(n) for n in NETWORK_FIELDS}
+    assert set(configmap["data"]) == expected, "the ConfigMap must carry every non-network setting"
+    for workload in _workloads(objects):
+        for container in workload["spec"]["template"]["spec"]["containers"]:
+            unknown = {k for k in _env(container) if k.startswith("KVGRID_")} - CONFIG_VARIABLES
+            assert not unknown, f"{container['name']} sets unknown variables {unknown}"
+            assert container["envFrom"][0]["configMapRef"]["name"] == configmap["metadata"]["name"]
+
+
+def test_config_values_reach_the_configmap(chart):
+    objects, _ = _render(chart, {"config": {"KVGRID_MAX_NUM_SEQS": "7", "KVGRID_DTYPE": "float16"}})
+    data = _kind(objects, "ConfigMap")[0]["data"]
+    assert data["KVGRID_MAX_NUM_SEQS"] == "7" and data["KVGRID_DTYPE"] == "float16"
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"config": {"KVGRID_DTYPE": "fp8"}},
+        {"config": {"KVGRID_MAX_NUM_SEQ": "8"}},
+        {"groups": 0},
+        {"worker": {"gpu": {"count": 2}}},
+        {"tokenizer": {"ports": {"grpc": 70000}}},
+    ],
+)
+def test_schema_rejects_bad_values(chart, values):
+    with pytest.raises(helm.HelmError):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_autoscaling_hands_tokenizer_replicas_to_the_hpa(rendered):
+    tokenizer = _one(rendered["autoscaling"], "Deployment", "tokenizer")
+    assert "replicas" not in tokenizer["spec"]
+    hpa = _one(rendered["autoscaling"], "HorizontalPodAutoscaler", "tokenizer")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == tokenizer["metadata"]["name"]
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 20)
+    assert not _kind(rendered["default"], "HorizontalPodAutoscaler")
+    assert "requests" in tokenizer["spec"]["template"]["spec"]["containers"][0]["resources"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_disruption_budgets_cover_every_workload(rendered, variant):
+    objects = rendered[variant]
+    budgets = _kind(objects, "PodDisruptionBudget")
+    for workload in _workloads(objects):
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert any(_matches(b["spec"]["selector"]["matchLabels"], labels) for b in budgets), workload["metadata"]
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] >= 30
+        assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_service_monitor_scrapes_every_service(rendered):
+    monitors = _kind(rendered["gpu"], "ServiceMonitor")
+    assert len(monitors) == 1 and not _kind(rendered["default"], "ServiceMonitor")
+    monitor = monitors[0]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    port_names = {e["port"] for e in monitor["spec"]["endpoints"]}
+    for service in _kind(rendered["gpu"], "Service"):
+        assert _matches(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+        assert port_names & {p["name"] for p in service["spec"]["ports"]}, service["metadata"]["name"]
+
+
+def test_notes_tell_how_to_call_the_service(chart):
+    _, notes = _render(chart, {})
+    assert f"port-forward svc/{RELEASE}-kvgrid-tokenizer 50051:50051" in notes
+    assert 'kvgrid generate "' in notes and "--addr localhost:50051" in notes
+    assert "kvgrid.v1.TextGeneration/Generate" in notes
