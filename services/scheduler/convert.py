@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvgrid.v1 import common_pb2, scheduler_pb2, worker_pb2
+from kvgrid.v1 import common_pb2, worker_pb2
 from services.scheduler.request import DEFAULT_MAX_TOKENS, RequestStatus, StopConditions
 from services.scheduler.scheduler import SchedulerOutput
 
@@ -55,7 +55,3 @@ def sampled_from_proto(result: worker_pb2.StepResult, want_logprobs: bool = True
         (s.request_id, s.token_id, s.logprob if want_logprobs and s.HasField("logprob") else None)
         for s in result.sampled
     ]
-
-
-def empty_stats() -> scheduler_pb2.SchedulerStats:
-    return scheduler_pb2.SchedulerStats(worker_ready=False)

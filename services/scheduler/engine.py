@@ -38,9 +38,7 @@ class WorkerLost(ConnectionError):
 def build_scheduler(info: worker_pb2.HandshakeResponse, config: Config) -> tuple[Scheduler, AdmissionLimits]:
     """A fresh scheduler over a fresh pool of the worker's blocks, with the tighter of both sides' limits."""
     pool_tokens = info.num_blocks * info.block_size
-    model_max_len = min((n for n in (info.max_model_len, config.model.max_model_len) if n > 0), default=pool_tokens)
-    # A sequence longer than the whole pool could never be scheduled again once preempted: it ends there.
-    max_model_len = min(model_max_len, pool_tokens)
+    max_model_len = min((n for n in (info.max_model_len, config.model.max_model_len) if n > 0), default=pool_tokens)
     sched = config.scheduler
     limits = SchedulerLimits(
         max_num_seqs=min(n for n in (sched.max_num_seqs, info.max_num_seqs) if n > 0),
@@ -50,7 +48,7 @@ def build_scheduler(info: worker_pb2.HandshakeResponse, config: Config) -> tuple
     )
     kv = KVCacheManager(BlockPool(info.num_blocks, config.cache.enable_prefix_caching), info.block_size)
     admission = AdmissionLimits(
-        max_model_len=model_max_len,
+        max_model_len=max_model_len,
         num_blocks=info.num_blocks,
         block_size=info.block_size,
         vocab_size=info.vocab_size,
@@ -175,7 +173,7 @@ class Engine:
             info.model,
             info.num_blocks,
             info.block_size,
-            self._core.limits.max_model_len,
+            self._core.max_seq_len,
         )
         self._on_ready(True)
 

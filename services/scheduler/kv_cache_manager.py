@@ -38,6 +38,10 @@ class KVCacheManager:
     def blocks_of(self, request_id: str) -> list[KVCacheBlock]:
         return self._tables.get(request_id, [])
 
+    def held_request_ids(self) -> list[str]:
+        """Requests that hold a block table."""
+        return list(self._tables)
+
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._tables.get(request_id, ())]
 

@@ -84,6 +84,9 @@ class Scheduler:
         self.limits = limits
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
+        # A request reaching this many tokens finishes with "length". Capped at what the whole pool holds: a longer
+        # sequence could never be computed again after a preemption.
+        self.max_seq_len = min(limits.max_model_len, kv.pool.num_blocks * kv.block_size)
         self.waiting = make_waiting_queue(limits.policy)
         # Admission order; fcfs preempts from the end.
         self.running: list[Request] = []
@@ -253,7 +256,7 @@ class Scheduler:
             token_id in stop.stop_token_ids or (not stop.ignore_eos and token_id in self.eos_token_ids)
         ):
             return RequestStatus.FINISHED_STOPPED
-        if num_output >= stop.max_tokens or request.num_tokens >= self.limits.max_model_len:
+        if num_output >= stop.max_tokens or request.num_tokens >= self.max_seq_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -75,7 +75,6 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.errors: list[str] = []
         self.num_steps = 0
         self.num_handshakes = 0
-        self.plans: list[worker_pb2.StepPlan] = []
         # Set by a test to hold steps (the worker reads the plan, then waits before answering).
         self.gate = asyncio.Event()
         self.gate.set()
@@ -104,23 +103,33 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         )
 
     async def Execute(self, request_iterator, context):
-        seqs: dict[str, _Seq] = {}
-        self.seqs = seqs
-        kv: dict[int, dict[int, int]] = {}
+        model = FakeModel(self.config)
+        self.seqs = model.seqs
         async for plan in request_iterator:
-            self.plans.append(plan)
             await self.gate.wait()
             if self.config.step_delay:
                 await asyncio.sleep(self.config.step_delay)
             try:
-                result = self._step(plan, seqs, kv)
+                result = model.step(plan)
             except AssertionError as e:
                 self.errors.append(f"step {plan.step_id}: {e}")
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"fake worker: {e}")
             self.num_steps += 1
             yield result
 
-    def _step(self, plan: worker_pb2.StepPlan, seqs: dict[str, _Seq], kv: dict[int, dict[int, int]]):
+
+class FakeModel:
+    """The worker side of one Execute stream, synchronous: also usable directly in unit tests."""
+
+    def __init__(self, config: FakeWorkerConfig):
+        self.config = config
+        self.seqs: dict[str, _Seq] = {}
+        # kv[block_id][slot] = the token id whose K/V the slot holds.
+        self.kv: dict[int, dict[int, int]] = {}
+
+    def step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
+        """Run one plan; raises AssertionError on any protocol violation."""
+        seqs, kv = self.seqs, self.kv
         bs = self.config.block_size
         for request_id in plan.finished_ids:
             assert request_id in seqs, f"finished id {request_id!r} is not held"
