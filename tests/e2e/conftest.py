@@ -1,0 +1,39 @@
+"""Stacks shared by the end-to-end tests: one float32 stack for the session, started once."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from tests.e2e.hf_reference import HFReference
+from tests.e2e.stack import Stack
+
+# Small enough for a busy CPU, large enough for 32 concurrent requests and a 1000-token prompt.
+FP32_ARGS = ["--dtype", "float32", "--kv-cache-memory", "512MiB", "--max-model-len", "1024"]
+
+
+@pytest.fixture(scope="session")
+def hf() -> HFReference:
+    """Starts loading at once; tests block on it only when they use it."""
+    return HFReference()
+
+
+@pytest.fixture(scope="session")
+def fp32_stack(tmp_path_factory, hf) -> Stack:
+    stack = Stack(tmp_path_factory.mktemp("fp32") / "serve.log", FP32_ARGS).start()
+    try:
+        yield stack.wait_ready()
+    finally:
+        stack.stop()
+
+
+@pytest.fixture(scope="session")
+def channel(fp32_stack) -> grpc.Channel:
+    with grpc.insecure_channel(fp32_stack.addr) as ch:
+        yield ch
+
+
+@pytest.fixture(scope="session")
+def scheduler_channel(fp32_stack) -> grpc.Channel:
+    with grpc.insecure_channel(fp32_stack.scheduler_addr) as ch:
+        yield ch
