@@ -42,7 +42,7 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     query_ptr,  # [num_tokens, num_heads, head_dim]
@@ -108,7 +108,7 @@ def paged_attention_kernel(
 
     # Keys this tile can see: every cached token plus the new ones up to its last query.
     num_keys = num_cached + tl.minimum(q_tile_start + BLOCK_Q, q_len)
-    block_table = block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_seq
+    block_table = block_tables_ptr + seq_idx * stride_bt_seq
     cols = tl.arange(0, TILE_N)
     for key_start in range(0, num_keys, TILE_N):
         key_pos = key_start + cols  # [TILE_N]
