@@ -1,0 +1,43 @@
+"""``kvgrid tokenizer``: the public API frontend (kvgrid.v1.TextGeneration), until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from services.common.config import Config
+from services.common.logs import setup_logging
+from services.common.tracing import setup_tracing, shutdown_tracing
+from services.tokenizer.server import start_tokenizer
+
+log = logging.getLogger("services.tokenizer")
+
+SHUTDOWN_GRACE_S = 10.0
+
+
+async def _serve(config: Config) -> int:
+    net = config.network
+    try:
+        server = await start_tokenizer(config, port=net.tokenizer_port, http_port=net.http_port)
+    except (OSError, ValueError) as e:
+        log.error("cannot start the tokenizer frontend: %s", e)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: finishing running streams for up to %.0fs", SHUTDOWN_GRACE_S)
+    await server.stop(SHUTDOWN_GRACE_S)
+    return 0
+
+
+def main(config: Config) -> int:
+    obs = config.observability
+    setup_logging("tokenizer", obs.log_level, obs.log_format)
+    setup_tracing("kvgrid-tokenizer")
+    try:
+        return asyncio.run(_serve(config))
+    finally:
+        shutdown_tracing()

@@ -1,0 +1,107 @@
+"""What the frontend knows about the served model: the tokenizer and the worker's handshake.
+
+The frontend serves only once it has both and the scheduler is SERVING; every
+change of that flips the gRPC health status and /health through ``on_change``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from kvgrid.v1 import generate_pb2, worker_pb2
+from services.common.errors import Unavailable
+from services.tokenizer.text_tokenizer import TextTokenizer
+from services.tokenizer.validation import ModelLimits
+
+log = logging.getLogger(__name__)
+
+
+class ModelState:
+    def __init__(
+        self,
+        scheduler_addr: str,
+        tokenizer: TextTokenizer | None = None,
+        served_model_name: str = "",
+        on_change: Callable[[bool], None] = lambda serving: None,
+    ):
+        self.scheduler_addr = scheduler_addr
+        self.tokenizer = tokenizer
+        self.info: worker_pb2.HandshakeResponse | None = None
+        self.scheduler_serving = False
+        self._override = tokenizer is not None  # --tokenizer given: the worker's files are not used
+        self._files: dict[str, bytes] = {}
+        self._served_model_name = served_model_name
+        self._on_change = on_change
+
+    @property
+    def serving(self) -> bool:
+        return self.tokenizer is not None and self.info is not None and self.scheduler_serving
+
+    async def set_worker_info(self, info: worker_pb2.HandshakeResponse) -> None:
+        """A (possibly new) worker's handshake; rebuilds the tokenizer when its files changed."""
+        files = dict(info.tokenizer_files)
+        if not self._override and files != self._files:
+            if not files:
+                raise ValueError("the worker sent no tokenizer files; start the frontend with --tokenizer PATH")
+            self.tokenizer = await asyncio.to_thread(TextTokenizer.from_files, files)
+            self._files = files
+            log.info("tokenizer loaded from the worker's files (%s)", ", ".join(sorted(files)))
+        if self.info is None or self.info.worker_id != info.worker_id:
+            log.info(
+                "worker %s: model %s, max_model_len %d, %d KV blocks of %d tokens on %s",
+                info.worker_id or "?",
+                info.model,
+                info.max_model_len,
+                info.num_blocks,
+                info.block_size,
+                info.device,
+            )
+        was = self.serving
+        self.info = info
+        self._notify(was)
+
+    def set_scheduler_serving(self, serving: bool) -> None:
+        was = self.serving
+        self.scheduler_serving = serving
+        self._notify(was)
+
+    def _notify(self, was: bool) -> None:
+        if self.serving != was:
+            log.info("frontend is %s", "SERVING" if self.serving else "NOT_SERVING")
+            self._on_change(self.serving)
+
+    def require_tokenizer(self) -> TextTokenizer:
+        if self.tokenizer is None:
+            raise Unavailable(f"no tokenizer yet: waiting for the worker's handshake via {self.scheduler_addr}")
+        return self.tokenizer
+
+    def require_info(self) -> worker_pb2.HandshakeResponse:
+        if self.info is None:
+            raise Unavailable(f"no model information yet: waiting for the scheduler at {self.scheduler_addr}")
+        return self.info
+
+    def require_serving(self) -> tuple[TextTokenizer, ModelLimits]:
+        tokenizer, _ = self.require_tokenizer(), self.require_info()
+        if not self.scheduler_serving:
+            raise Unavailable(f"the scheduler at {self.scheduler_addr} is not serving")
+        return tokenizer, self.limits()
+
+    def limits(self) -> ModelLimits:
+        info = self.require_info()
+        vocab_size = info.vocab_size or self.require_tokenizer().vocab_size
+        return ModelLimits(max_model_len=info.max_model_len, vocab_size=vocab_size)
+
+    def model_info(self) -> generate_pb2.ModelInfo:
+        info = self.require_info()
+        return generate_pb2.ModelInfo(
+            model=self._served_model_name or info.model,
+            max_model_len=info.max_model_len,
+            vocab_size=self.limits().vocab_size,
+            num_kv_blocks=info.num_blocks,
+            block_size=info.block_size,
+            dtype=info.dtype,
+            eos_token_ids=list(info.eos_token_ids),
+            device=info.device,
+        )

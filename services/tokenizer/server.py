@@ -1,0 +1,92 @@
+"""Assemble the frontend: gRPC TextGeneration + health + reflection, the HTTP port, the scheduler link."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import grpc
+
+from kvgrid.v1 import generate_pb2_grpc
+from services.common.config import Config
+from services.common.metrics import TokenizerMetrics
+from services.common.server import Health, add_reflection, bind, new_server
+from services.tokenizer.http_server import HttpServer
+from services.tokenizer.model_state import ModelState
+from services.tokenizer.servicer import TextGenerationServicer
+from services.tokenizer.text_tokenizer import TextTokenizer, read_tokenizer_dir
+from services.tokenizer.upstream import SchedulerLink
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvgrid.v1.TextGeneration"
+
+
+def load_tokenizer(path: str) -> TextTokenizer:
+    """--tokenizer: an HF tokenizer (or model) directory, or a GGUF file."""
+    if os.path.isfile(path) and path.lower().endswith(".gguf"):
+        from services.tokenizer.gguf_tokenizer import read_gguf_tokenizer
+
+        return TextTokenizer.from_files(read_gguf_tokenizer(path))
+    return TextTokenizer.from_files(read_tokenizer_dir(path))
+
+
+@dataclass(slots=True)
+class TokenizerServer:
+    server: grpc.aio.Server
+    http: HttpServer
+    link: SchedulerLink
+    state: ModelState
+    health: Health
+    metrics: TokenizerMetrics
+    port: int
+    http_port: int
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        """Refuse new calls, let running streams finish for up to ``grace`` seconds, then close everything."""
+        self.health.set(False)
+        await self.server.stop(grace)
+        await self.http.close()
+        await self.link.close()
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_tokenizer(
+    config: Config, port: int = 0, http_port: int = 0, tokenizer: TextTokenizer | None = None
+) -> TokenizerServer:
+    """Start serving on ``config.network.host``; port 0 picks free ports (see the returned ports)."""
+    if tokenizer is None and config.model.tokenizer:
+        tokenizer = load_tokenizer(config.model.tokenizer)
+        log.info("tokenizer loaded from %s", config.model.tokenizer)
+    metrics = TokenizerMetrics(config.model.name)
+    server = new_server()
+    health = Health(server, [SERVICE_NAME])
+    state = ModelState(
+        config.network.scheduler_addr,
+        tokenizer=tokenizer,
+        served_model_name=config.model.served_model_name,
+        on_change=health.set,
+    )
+    link = SchedulerLink(config.network.scheduler_addr, state)
+    generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state, link, metrics), server)
+    add_reflection(server, [SERVICE_NAME])
+    bound = bind(server, config.network.host, port)
+    http = HttpServer(metrics.registry, lambda: state.serving)
+    await server.start()
+    try:
+        bound_http = await http.start(config.network.host, http_port)
+    except OSError:
+        await server.stop(None)
+        raise
+    link.start()
+    log.info(
+        "tokenizer frontend on %s:%d (HTTP %d), scheduler at %s",
+        config.network.host,
+        bound,
+        bound_http,
+        config.network.scheduler_addr,
+    )
+    return TokenizerServer(server, http, link, state, health, metrics, bound, bound_http)

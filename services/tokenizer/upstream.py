@@ -1,0 +1,99 @@
+"""The frontend's link to the scheduler: watch its health, fetch the worker's handshake, abort requests.
+
+The scheduler's health is followed with the standard ``Health.Watch`` stream. Each
+time it turns SERVING the handshake is fetched again (the worker may have been
+restarted with other files); a broken stream means NOT_SERVING and a retry with
+exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvgrid.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.server import SERVING, insecure_channel
+from services.tokenizer.model_state import ModelState
+
+log = logging.getLogger(__name__)
+
+INITIAL_BACKOFF_S = 0.1
+MAX_BACKOFF_S = 5.0
+INFO_TIMEOUT_S = 30.0
+ABORT_TIMEOUT_S = 5.0
+
+
+class SchedulerLink:
+    def __init__(self, addr: str, state: ModelState):
+        self.addr = addr
+        self._state = state
+        self.channel = insecure_channel(addr)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._watch_task: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+
+    def start(self) -> None:
+        self._watch_task = asyncio.create_task(self._watch(), name="scheduler-watch")
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._watch_task, *self._background) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.channel.close()
+
+    async def _watch(self) -> None:
+        backoff = INITIAL_BACKOFF_S
+        while True:
+            try:
+                async for reply in self._health.Watch(health_pb2.HealthCheckRequest(service="")):
+                    serving = reply.status == SERVING
+                    if serving:
+                        info = await self.stub.GetWorkerInfo(
+                            scheduler_pb2.GetWorkerInfoRequest(), timeout=INFO_TIMEOUT_S
+                        )
+                        await self._state.set_worker_info(info)
+                        backoff = INITIAL_BACKOFF_S
+                    else:
+                        log.info(
+                            "scheduler at %s reports %s",
+                            self.addr,
+                            health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status),
+                        )
+                    self._state.set_scheduler_serving(serving)
+                log.warning("scheduler at %s ended the health stream", self.addr)
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as e:
+                log.log(
+                    logging.INFO if self._state.info is None else logging.WARNING,
+                    "scheduler at %s: %s (%s); retrying in %.1fs",
+                    self.addr,
+                    e.code().name,
+                    e.details(),
+                    backoff,
+                )
+            except Exception:  # noqa: BLE001 - e.g. unusable tokenizer files: keep retrying, stay NOT_SERVING
+                log.exception("cannot use the scheduler at %s; retrying in %.1fs", self.addr, backoff)
+            self._state.set_scheduler_serving(False)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    def abort_later(self, request_id: str) -> None:
+        """Send Abort without waiting (also from a cancelled handler, whose own awaits would be cancelled)."""
+        task = asyncio.get_running_loop().create_task(self._abort(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self.stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.warning("abort of %s at the scheduler failed: %s %s", request_id, e.code().name, e.details())
