@@ -5,6 +5,8 @@ from __future__ import annotations
 import fnmatch
 import re
 import shlex
+import subprocess
+import sys
 from importlib import metadata
 
 import pytest
@@ -149,3 +151,28 @@ def test_build_context_keeps_what_the_image_copies(role):
         for src in sources:
             assert (compose.ROOT / src).exists(), f"{role} copies missing {src}"
             assert not _ignored(src, patterns), f"{role} copies {src}, which .dockerignore leaves out"
+
+
+# What the tokenizer and scheduler images lack: every worker-only distribution.
+_BLOCKER = """
+import importlib, importlib.abc, pkgutil, sys
+BLOCKED = {"torch", "transformers", "numpy", "triton", "gguf", "safetensors", "accelerate", "kernels"}
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is not in the image")
+sys.meta_path.insert(0, Block())
+import kvgrid.healthcheck, kvgrid.cli
+for package in ("services.common", "services.tokenizer", "services.scheduler"):
+    module = importlib.import_module(package)
+    for info in pkgutil.walk_packages(module.__path__, package + "."):
+        importlib.import_module(info.name)
+print("ok")
+"""
+
+
+def test_tokenizer_and_scheduler_code_imports_without_worker_dependencies():
+    result = subprocess.run(
+        [sys.executable, "-c", _BLOCKER], capture_output=True, text=True, cwd=compose.ROOT, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
