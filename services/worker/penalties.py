@@ -17,8 +17,8 @@ def gather_penalty_state(
     """
     for r in requests:
         r.materialize(vocab_size, device)
-    counts = torch.stack([r.output_counts for r in requests])
-    prompt_mask = torch.stack([r.prompt_mask for r in requests])
+    counts = torch.cat([r.output_counts for r in requests])
+    prompt_mask = torch.cat([r.prompt_mask for r in requests])
     rows: list[int] = []
     tokens: list[int] = []
     for row, r in enumerate(requests):
@@ -31,7 +31,7 @@ def gather_penalty_state(
         counts.index_put_((index[0], index[1]), ones, accumulate=True)
     for row, r in enumerate(requests):
         if len(r.pending_token_ids) >= PENDING_FLUSH_LIMIT:
-            r.output_counts = counts[row].clone()
+            r.output_counts = counts[row : row + 1].clone()
             r.pending_token_ids.clear()
     return counts, prompt_mask
 

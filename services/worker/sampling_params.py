@@ -40,8 +40,9 @@ class RequestSampling:
     # prompt_token_ids holds the prompt; pending_token_ids holds outputs not yet in output_counts.
     prompt_token_ids: list[int] = field(default_factory=list)
     pending_token_ids: list[int] = field(default_factory=list)
-    prompt_mask: torch.Tensor | None = None  # [vocab] bool, token occurs in the prompt
-    output_counts: torch.Tensor | None = None  # [vocab] int32, times each token was generated
+    # Kept as one-row matrices so a batch is a torch.cat (torch.stack of 1-D rows is far slower on CPU).
+    prompt_mask: torch.Tensor | None = None  # [1, vocab] bool, token occurs in the prompt
+    output_counts: torch.Tensor | None = None  # [1, vocab] int32, times each token was generated
 
     @classmethod
     def create(
@@ -98,8 +99,8 @@ class RequestSampling:
         if self.output_counts is not None:
             return
         prompt = [t for t in self.prompt_token_ids if 0 <= t < vocab_size]
-        self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.prompt_mask = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
         if prompt:
-            self.prompt_mask[torch.tensor(prompt, dtype=torch.long, device=device)] = True
-        self.output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+            self.prompt_mask[0, torch.tensor(prompt, dtype=torch.long, device=device)] = True
+        self.output_counts = torch.zeros(1, vocab_size, dtype=torch.int32, device=device)
         self.prompt_token_ids = []

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvgrid.v1 import common_pb2
+from services.worker import sampling_filters
 from services.worker.penalties import apply_penalties, gather_penalty_state, penalty_params
 from services.worker.sampling import RequestSampling, Sampler
 from services.worker.sampling_params import PENDING_FLUSH_LIMIT
@@ -92,7 +93,9 @@ def shuffled(probs: list[float], seed: int) -> tuple[list[float], list[int]]:
     return out, order
 
 
-def test_top_p_keeps_exactly_the_nucleus():
+@pytest.mark.parametrize("candidates", [2, 4, 1024])  # 2: the nucleus is not among them, a full sort
+def test_top_p_keeps_exactly_the_nucleus(candidates, monkeypatch):
+    monkeypatch.setattr(sampling_filters, "TOP_P_CANDIDATES", candidates)
     # Best-first masses 0.4, 0.65, 0.8, ...: top_p 0.7 needs the three best tokens.
     probs, column = shuffled([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02], seed=5)
     tokens = sample_many(Sampler(7, CPU, seed=2), logits_from_probs(probs, 4000), temperature=1.0, top_p=0.7)
@@ -100,6 +103,47 @@ def test_top_p_keeps_exactly_the_nucleus():
     assert set(tokens.tolist()) == nucleus
     # The survivors are renormalised: 0.4 / 0.8 = 0.5 of the draws go to the best one.
     assert abs((tokens == column[0]).float().mean().item() - 0.5) < 0.03
+
+
+def filter_with_candidates(monkeypatch, candidates, logits, top_k, top_p) -> tuple[torch.Tensor, list[tuple]]:
+    """apply_top_k_top_p with a given candidate count; also the [rows, columns] of each nucleus pass."""
+    monkeypatch.setattr(sampling_filters, "TOP_P_CANDIDATES", candidates)
+    passes = []
+    keep_nucleus = sampling_filters._keep_nucleus
+
+    def spy(logits, values, *args):
+        passes.append(tuple(values.shape))
+        return keep_nucleus(logits, values, *args)
+
+    monkeypatch.setattr(sampling_filters, "_keep_nucleus", spy)
+    max_k = max((k for k in top_k.tolist() if k < logits.shape[-1]), default=0)
+    return sampling_filters.apply_top_k_top_p(logits.clone(), top_k, top_p, max_k), passes
+
+
+def test_top_p_over_candidates_equals_the_full_sort(monkeypatch):
+    vocab = 300
+    gen = torch.Generator().manual_seed(17)
+    scales = torch.tensor([8.0, 6.0, 5.0, 8.0, 7.0, 6.0])  # peaked rows: the nuclei are small
+    logits = torch.randn(6, vocab, generator=gen) * scales.unsqueeze(1)
+    top_k = torch.tensor([vocab, vocab, 5, 40, vocab, 3])
+    top_p = torch.tensor([0.9, 0.5, 0.8, 2.0, 2.0, 0.95])  # 2.0: off
+    reference, passes = filter_with_candidates(monkeypatch, vocab, logits, top_k, top_p)
+    assert passes == [(6, vocab)]  # candidates >= vocab: one full sort
+    peaked, passes = filter_with_candidates(monkeypatch, 64, logits, top_k, top_p)
+    assert passes == [(6, 64)]
+    assert peaked.equal(reference)
+    assert reference[4].equal(logits[4])  # neither cut: untouched
+    assert (reference[5] > float("-inf")).sum() <= 3
+    # Flat rows whose nuclei are wider than the candidates: only they are sorted in full.
+    flat = torch.cat([logits[:3], torch.randn(1, vocab, generator=gen) * 0.1, logits[3:], torch.zeros(1, vocab)])
+    flat_k = torch.cat([top_k[:3], torch.tensor([vocab]), top_k[3:], torch.tensor([vocab])])
+    flat_p = torch.cat([top_p[:3], torch.tensor([0.9]), top_p[3:], torch.tensor([0.505])])
+    reference, _ = filter_with_candidates(monkeypatch, vocab, flat, flat_k, flat_p)
+    fallback, passes = filter_with_candidates(monkeypatch, 64, flat, flat_k, flat_p)
+    assert passes == [(8, 64), (2, vocab)]
+    assert fallback.equal(reference)
+    assert (reference[3] > float("-inf")).sum() > 64
+    assert (reference[7] > float("-inf")).sum() == 152  # uniform: mass before token i is i / 300
 
 
 def test_top_p_boundary_includes_the_token_that_reaches_it():
