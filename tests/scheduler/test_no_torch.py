@@ -1,0 +1,26 @@
+"""The scheduler never imports torch (its image has none)."""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+
+import services.scheduler
+
+
+def _imports_torch(modules: list[str]) -> bool:
+    code = "import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules)
+    code += "print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    return out.stdout.strip() == "True"
+
+
+def test_main_does_not_import_torch():
+    assert not _imports_torch(["services.scheduler.main"])
+
+
+def test_no_module_of_the_package_imports_torch():
+    modules = [m.name for m in pkgutil.walk_packages(services.scheduler.__path__, "services.scheduler.")]
+    assert "services.scheduler.engine" in modules and len(modules) >= 10
+    assert not _imports_torch(modules)
