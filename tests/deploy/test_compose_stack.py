@@ -100,17 +100,21 @@ class LocalStack:
                 pytest.fail(f"{name} not healthy in time ({result.stderr or result.stdout}):\n{self.logs(name)}")
             time.sleep(min(interval, 2.0))
 
-    def stop(self) -> None:
-        for proc in self.procs.values():
+    def stop(self) -> list[str]:
+        """SIGTERM in reverse start order, as compose stops; the names of those killed after their grace period."""
+        killed = []
+        for name in reversed(list(self.procs)):
+            proc = self.procs[name]
             if proc.poll() is None:
                 proc.terminate()
-        grace = compose.seconds(self.services["worker"].get("stop_grace_period", "10s"))
-        for proc in self.procs.values():
+            grace = compose.seconds(self.services[name].get("stop_grace_period", "10s"))
             try:
                 proc.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+                killed.append(name)
+        return killed
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +157,11 @@ def test_prometheus_targets_serve_kvgrid_metrics(stack):
         with urllib.request.urlopen(url, timeout=10) as reply:
             body = reply.read().decode()
         assert "kvgrid_" in body, f"{target} serves no kvgrid metrics"
+
+
+def test_services_stop_within_their_grace_period(stack):
+    """Runs last: SIGTERM (what compose sends through tini) ends each service before compose would SIGKILL it."""
+    killed = stack.stop()
+    assert not killed, f"{killed} ignored SIGTERM for their whole stop_grace_period"
+    for name, proc in stack.procs.items():
+        assert proc.returncode in (0, -15), f"{name} exited with {proc.returncode}:\n{stack.logs(name)}"
