@@ -118,3 +118,41 @@ def test_token_strings_and_special_ids(tok, smollm):
     assert {0, 1, 2} <= tok.special_token_ids
     assert tok.special_tokens["eos_token"] == "<|im_end|>"
     assert tok.vocab_size == 49152
+
+
+def test_gguf_file_gives_the_same_tokenizer_as_transformers(smollm):
+    from services.common.default_model import default_model_path
+    from services.tokenizer.gguf_tokenizer import read_gguf_tokenizer
+
+    tok = TextTokenizer.from_files(read_gguf_tokenizer(default_model_path()))
+    for text in TEXTS:
+        for add in (True, False):
+            ids = tok.encode(text, add_special_tokens=add)
+            assert ids == smollm.hf(text, add_special_tokens=add)["input_ids"]
+            assert tok.decode(ids) == smollm.hf.decode(ids, skip_special_tokens=True)
+    for messages in CONVERSATIONS:
+        assert tok.render_chat(messages) == smollm.hf.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+    assert tok.special_tokens == {k: smollm.hf.special_tokens_map[k] for k in tok.special_tokens}
+    assert tok.special_token_ids == set(smollm.hf.all_special_ids) | set(range(17))
+
+
+def test_gguf_metadata_flags_and_unsupported_kinds():
+    from services.tokenizer.gguf_tokenizer import gguf_tokenizer_files
+
+    tokens = ["<s>", "</s>", "a", "b", "ab"]
+    metadata = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 1, 1, 1],
+        "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.add_bos_token": True,
+    }
+    tok = TextTokenizer.from_files(gguf_tokenizer_files(metadata))
+    assert tok.encode("abab") == [0, 4, 4]
+    assert tok.decode([0, 4, 2, 1]) == "aba"
+    with pytest.raises(ValueError, match="only byte-level BPE"):
+        gguf_tokenizer_files(dict(metadata, **{"tokenizer.ggml.model": "llama"}))
