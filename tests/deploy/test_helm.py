@@ -7,6 +7,7 @@ import dataclasses
 
 import helm_python as helm
 import kubernetes_validate
+import kubernetes_validate.utils
 import pytest
 import yaml
 
@@ -15,6 +16,8 @@ from tests.deploy import compose
 
 CHART = compose.ROOT / "helm" / "kvgrid"
 KUBE_VERSION = "1.30.0"
+# the oldest the chart supports (Chart.yaml kubeVersion: gRPC probes are GA there) and the newest schemas shipped
+SCHEMA_VERSIONS = ("1.27.0", KUBE_VERSION, kubernetes_validate.utils.latest_version())
 NAMESPACE = "llm"
 RELEASE = "demo"
 NETWORK_FIELDS = {f.name for f in dataclasses.fields(cfg.NetworkConfig)}
@@ -80,20 +83,21 @@ def _matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_chart_lints_clean(variant):
-    report = helm.lint(CHART, VARIANTS[variant], namespace=NAMESPACE, kube_version="v" + KUBE_VERSION)
+    report = helm.lint(CHART, VARIANTS[variant], strict=True, namespace=NAMESPACE, kube_version="v" + KUBE_VERSION)
     assert report["errors"] == []
     problems = [m for m in report["messages"] if m["severity"] >= 2]
     assert not problems, problems
 
 
+@pytest.mark.parametrize("version", SCHEMA_VERSIONS)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_every_manifest_validates_against_kubernetes_schemas(rendered, variant):
+def test_every_manifest_validates_against_kubernetes_schemas(rendered, variant, version):
     objects = rendered[variant]
     assert {"ConfigMap", "Deployment", "StatefulSet", "Service", "PodDisruptionBudget"} <= {o["kind"] for o in objects}
     for obj in objects:
         if obj["kind"] == "ServiceMonitor":  # a CRD: checked in test_service_monitor_scrapes_every_service
             continue
-        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+        kubernetes_validate.validate(obj, version, strict=True)
 
 
 def test_validation_catches_a_broken_manifest(rendered):
