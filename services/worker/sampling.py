@@ -90,8 +90,12 @@ class Sampler:
             params = penalty_params(penalised, self.device)
             logits[index] = apply_penalties(logits[index], counts, prompt_mask, params, any_repetition)
 
-        tokens = logits.argmax(dim=-1)  # [num_rows]; random rows are overwritten below
-        if random_rows:
+        if not random_rows:
+            tokens = logits.argmax(dim=-1)  # [num_rows]
+        elif len(random_rows) == len(requests):
+            tokens = self._sample_random(logits, requests)
+        else:
+            tokens = logits.argmax(dim=-1)
             index = self._index(random_rows)
             tokens[index] = self._sample_random(logits[index], [requests[i] for i in random_rows])
 
@@ -105,7 +109,7 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     def _sample_random(self, logits: torch.Tensor, requests: list[RequestSampling]) -> torch.Tensor:
-        """logits: [R, vocab] float32 (a copy; changed in place) -> sampled ids [R] int64."""
+        """logits: [R, vocab] float32, the sampler's own copy (changed in place) -> sampled ids [R] int64."""
         num_rows, vocab = logits.shape
         # columns: temperature, top_p (> 1 means off), min_p, top_k (vocab means off)
         values = [[r.temperature, r.top_p if r.top_p < 1.0 else 2.0, r.min_p, r.top_k or vocab] for r in requests]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-# Top-p first looks for the nucleus among this many best tokens (a partial top-k is much cheaper than
-# sorting the vocabulary); only when their mass falls short of top_p does it sort whole rows.
-TOP_P_CANDIDATES = 1024
+# Top-p first looks for the nucleus among this many best tokens (a partial top-k is far cheaper than
+# sorting the vocabulary: on CPU, 64 x 49152, ~45 ms against ~800 ms, and topk's cost grows with k);
+# only rows whose candidates hold less than top_p of the mass are sorted in full.
+TOP_P_CANDIDATES = 256
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:

@@ -167,14 +167,11 @@ def test_min_p_drops_tokens_below_the_cut():
 
 def test_filters_combine_per_row():
     probs, column = shuffled([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02], seed=9)
-    sampler = Sampler(7, CPU, seed=6)
     kinds = [dict(top_k=2), dict(top_p=0.5), dict(min_p=0.3), dict()]
-    seen: list[set[int]] = [set() for _ in kinds]
-    for _ in range(300):
-        reqs = [request(temperature=1.0, **kind) for kind in kinds]
-        out = sampler(logits_from_probs(probs, len(kinds)), reqs)
-        for kept, token in zip(seen, out.token_ids, strict=True):
-            kept.add(token)
+    draws = 300
+    reqs = [request(temperature=1.0, **kind) for _ in range(draws) for kind in kinds]  # kinds interleaved
+    out = Sampler(7, CPU, seed=6)(logits_from_probs(probs, len(reqs)), reqs)
+    seen = [set(out.token_ids[i :: len(kinds)]) for i in range(len(kinds))]
     assert seen[0] == {column[0], column[1]}
     assert seen[1] == {column[0], column[1]}
     assert seen[2] == {column[0], column[1], column[2]}
