@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +22,15 @@ from services.tokenizer.text_tokenizer import TextTokenizer
 from services.tokenizer.upstream import SchedulerLink
 
 log = logging.getLogger(__name__)
+
+LONG_INPUT_CHARS = 8192
+
+
+async def _off_loop(fn, value, num_chars: int, **kwargs):
+    """Tokenize long inputs in a thread so that one big prompt does not stall every other stream."""
+    if num_chars < LONG_INPUT_CHARS:
+        return fn(value, **kwargs)
+    return await asyncio.to_thread(fn, value, **kwargs)
 
 
 def _messages(messages) -> list[dict[str, str]]:
@@ -47,7 +57,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
                 field, prompt_ids = "prompt_token_ids", list(request.prompt_token_ids)
                 v.check_token_ids(field, prompt_ids, limits.vocab_size)
             else:
-                field, prompt_ids = "prompt", tokenizer.encode(request.prompt, add_special_tokens=True)
+                field, prompt_ids = "prompt", await _off_loop(tokenizer.encode, request.prompt, len(request.prompt))
             v.check_prompt_length(field, len(prompt_ids), limits)
             stream = self._stream(tokenizer, limits, request.request_id, prompt_ids, request.sampling, context, tracked)
             async for out in stream:
@@ -60,7 +70,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             v.check_messages("messages", request.messages)
             tokenizer, limits = self._state.require_serving()
             v.check_sampling(request.sampling, limits)
-            prompt_ids = self._encode_chat(tokenizer, request.messages)
+            prompt_ids = await self._encode_chat(tokenizer, request.messages)
             v.check_prompt_length("messages", len(prompt_ids), limits)
             stream = self._stream(tokenizer, limits, request.request_id, prompt_ids, request.sampling, context, tracked)
             async for out in stream:
@@ -71,9 +81,10 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         tokenizer = self._state.require_tokenizer()
         if request.messages:
             v.check_messages("messages", request.messages)
-            token_ids = self._encode_chat(tokenizer, request.messages)
+            token_ids = await self._encode_chat(tokenizer, request.messages)
         else:
-            token_ids = tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+            add = request.add_special_tokens
+            token_ids = await _off_loop(tokenizer.encode, request.text, len(request.text), add_special_tokens=add)
         return generate_pb2.TokenizeResponse(token_ids=token_ids, tokens=tokenizer.token_strings(token_ids))
 
     @grpc_errors
@@ -89,10 +100,11 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         return self._state.model_info()
 
     @staticmethod
-    def _encode_chat(tokenizer: TextTokenizer, messages) -> list[int]:
+    async def _encode_chat(tokenizer: TextTokenizer, messages) -> list[int]:
         if tokenizer.chat_template is None:
             raise InvalidArgument("messages", "the model's tokenizer has no chat template; use Generate with a prompt")
-        return tokenizer.encode_chat(_messages(messages))
+        num_chars = sum(len(m.content) for m in messages)
+        return await _off_loop(tokenizer.encode_chat, _messages(messages), num_chars)
 
     async def _stream(
         self,

@@ -143,7 +143,7 @@ def test_chat_uses_the_models_chat_template(stack, smollm):
 
 
 def test_tokenize_and_detokenize_match_transformers(stack, smollm):
-    for text in ["Hello, world!", "héllo 你好 🎉", "<|im_start|>user"]:
+    for text in ["Hello, world!", "héllo 你好 🎉", "<|im_start|>user", "long 🎉 text " * 1000]:
         for add in (False, True):
             reply = stack.stub.Tokenize(generate_pb2.TokenizeRequest(text=text, add_special_tokens=add), timeout=5)
             ids = smollm.hf(text, add_special_tokens=add)["input_ids"]
@@ -211,6 +211,7 @@ BAD_GENERATE = [
     (dict(prompt="hi", request_id="a\nb"), "request_id"),
     (dict(prompt_token_ids=list(range(MAX_MODEL_LEN))), "prompt_token_ids"),
     (dict(prompt="word " * MAX_MODEL_LEN), "prompt"),
+    (dict(prompt="wörd " * 2000), "prompt"),  # long enough to be tokenized off the event loop
 ]
 BAD_CHAT = [
     (dict(messages=[]), "messages"),
