@@ -71,42 +71,42 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed_blocks: Sequence[KVCacheBlock] = (),
-    ) -> list[KVCacheBlock] | None:
-        """Blocks for ``num_new_tokens`` more tokens after the request's computed ones (and after
-        ``computed_blocks``, a prefix-cache hit taken over here). Returns the new blocks, or None when the pool
-        cannot supply them, in which case nothing changed."""
-        num_hit_tokens = len(computed_blocks) * self.block_size
-        num_needed = max(
-            0,
-            cdiv(request.num_computed_tokens + num_hit_tokens + num_new_tokens, self.block_size)
-            - len(self._tables.get(request.request_id, ()))
-            - len(computed_blocks),
-        )
+    ) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after the request's computed ones (and after
+        ``computed_blocks``, a prefix-cache hit taken over here). False when the pool cannot, and then nothing
+        changed. New blocks are appended to the request's table."""
+        bs = self.block_size
+        table = self._tables.get(request.request_id)
+        held = len(table) if table is not None else 0
+        end = request.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
+        if not computed_blocks and end <= held * bs:
+            return True  # the decode fast path: the last block still has room
+        num_needed = -(-end // bs) - held - len(computed_blocks)
         # Hit blocks that sit in the free queue stop being allocatable once taken.
         num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_revived:
-            return None
-        table = self._tables.setdefault(request.request_id, [])
+            return False
+        if table is None:
+            table = self._tables[request.request_id] = []
         if computed_blocks:
             self.pool.touch(computed_blocks)
             table.extend(computed_blocks)
             # Hit blocks are cached already; never register them again.
             self._num_cached[request.request_id] = len(table)
-        new_blocks = self.pool.get_new_blocks(num_needed)
-        table.extend(new_blocks)
-        return new_blocks
+        if num_needed > 0:
+            table.extend(self.pool.get_new_blocks(num_needed))
+        return True
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose K/V are computed (call once a step's result is in)."""
-        if not self.enable_caching:
+        num_full = request.num_computed_tokens // self.block_size
+        start = self._num_cached.get(request.request_id, 0)
+        if num_full <= start or not self.enable_caching:
             return
         table = self._tables.get(request.request_id)
         if not table:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
-        start = self._num_cached.get(request.request_id, 0)
-        if num_full <= start:
-            return
+        num_full = min(num_full, len(table))
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         for i in range(start, num_full):
             self.pool.cache_block(table[i], request.block_hashes[i])

@@ -138,8 +138,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request, num_new) is None:
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
+            while not self.kv.allocate_slots(request, num_new):
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
                 self.running.pop(victim_index)
@@ -178,7 +180,7 @@ class Scheduler:
             request = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
-            if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
+            if not self.kv.allocate_slots(request, num_new, hit_blocks):
                 break
             self.waiting.pop()
             if request.num_cached_tokens < 0:
@@ -216,47 +218,51 @@ class Scheduler:
         """Apply a step's sampled tokens ``(request_id, token_id, logprob)``; returns them with finish states."""
         results = []
         num_finished = 0
-        seen: set[str] = set()
+        requests = self.requests
+        running = RequestStatus.RUNNING
         for request_id, token_id, logprob in sampled:
-            request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            request = requests.get(request_id)
+            if request is None or request.status is not running:
                 continue  # aborted while the step ran
-            if request.num_computed_tokens != request.num_tokens:
+            tokens = request.all_token_ids
+            if request.num_computed_tokens != len(tokens):
                 raise WorkerProtocolError(
                     f"step {out.step_id}: token sampled for {request_id!r} with "
-                    f"{request.num_tokens - request.num_computed_tokens} of its tokens not computed yet"
+                    f"{len(tokens) - request.num_computed_tokens} of its tokens not computed yet"
                 )
-            seen.add(request_id)
-            self.kv.cache_computed_blocks(request)
-            request.all_token_ids.append(token_id)
+            tokens.append(token_id)
             finish = self._check_stop(request, token_id)
             if finish is not None:
-                del self.requests[request_id]
+                self.kv.cache_computed_blocks(request)
+                del requests[request_id]
                 self._release(request, finish)
                 num_finished += 1
             results.append(RequestOutput(request, token_id, logprob, finish))
 
+        cache = self.kv.cache_computed_blocks
         for plans in (out.new_requests, out.running):
             for plan in plans:
                 request = plan.request
-                if request.status is not RequestStatus.RUNNING or request.request_id in seen:
+                if request.status is not running:
                     continue
-                if request.num_computed_tokens == request.num_tokens:
+                # Every request that reached the end of its tokens got one more above.
+                if request.num_computed_tokens == len(request.all_token_ids):
                     raise WorkerProtocolError(f"step {out.step_id}: no token sampled for {request.request_id!r}")
-                self.kv.cache_computed_blocks(request)  # a prefill chunk that did not reach the end
+                cache(request)
 
         if num_finished:
-            self.running = [request for request in self.running if request.status is RequestStatus.RUNNING]
+            self.running = [request for request in self.running if request.status is running]
         return results
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         stop = request.stop
-        num_output = request.num_output_tokens
+        num_tokens = len(request.all_token_ids)
+        num_output = num_tokens - len(request.prompt_token_ids)
         if num_output >= stop.min_tokens and (
             token_id in stop.stop_token_ids or (not stop.ignore_eos and token_id in self.eos_token_ids)
         ):
             return RequestStatus.FINISHED_STOPPED
-        if num_output >= stop.max_tokens or request.num_tokens >= self.max_seq_len:
+        if num_output >= stop.max_tokens or num_tokens >= self.max_seq_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -50,12 +50,14 @@ def check_invariants(s: Scheduler) -> None:
     assert len(running) + len(waiting) == len(s.requests)
 
 
-def check_tokens(prompt: list[int], outputs: list[int]) -> None:
-    """Every output token is the fake model's next token, except a forced EOS at the very end."""
+def check_tokens(prompt: list[int], outputs: list[int], forced: set[int]) -> None:
+    """Every output token is the fake model's next token, except a forced EOS, which ends the request."""
     tokens = list(prompt)
     for i, token in enumerate(outputs):
-        expected = next_token(tokens, VOCAB)
-        assert token == expected or (token == EOS and i == len(outputs) - 1), f"token {i}: {token} != {expected}"
+        if i in forced:
+            assert token == EOS and i == len(outputs) - 1, f"token {i} after a forced EOS"
+        else:
+            assert token == next_token(tokens, VOCAB), f"token {i}: {token} is not the model's"
         tokens.append(token)
 
 
@@ -76,6 +78,8 @@ def test_random_operation_sequences_keep_the_invariants(data):
     )
     d = Driver(s)
     prompts: dict[str, list[int]] = {}
+    ignores_eos: dict[str, bool] = {}
+    forced: dict[str, set[int]] = {}
     aborted: set[str] = set()
     pending = None
     longest = min(s.max_seq_len, num_blocks * block_size) - 1  # what admission lets through
@@ -90,22 +94,27 @@ def test_random_operation_sequences_keep_the_invariants(data):
             prompt = (prefix + suffix)[-longest:]
             request_id = f"r{n}"
             prompts[request_id] = prompt
+            ignores_eos[request_id] = data.draw(st.booleans())
             s.add_request(
                 make_request(
                     request_id,
                     prompt,
                     max_tokens=data.draw(st.integers(1, 12)),
                     priority=data.draw(st.integers(0, 2)),
-                    ignore_eos=data.draw(st.booleans()),
+                    ignore_eos=ignores_eos[request_id],
                 )
             )
         elif op == "schedule" and pending is None:
             pending = s.schedule()
         elif op in ("sample", "finish") and pending is not None:
             sampled = sampled_from_proto(d.model.step(plan_to_proto(pending)))
-            if op == "finish" and sampled:
-                k = data.draw(st.integers(0, len(sampled) - 1))
-                sampled[k] = (sampled[k][0], EOS, None)
+            # Force an EOS on a request that stops on it (the fake model's state diverges, but it drops the request).
+            stoppable = [k for k, (rid, _, _) in enumerate(sampled) if rid in s.requests and not ignores_eos[rid]]
+            if op == "finish" and stoppable:
+                k = data.draw(st.sampled_from(stoppable))
+                request_id = sampled[k][0]
+                forced.setdefault(request_id, set()).add(len(d.outputs.get(request_id, [])))
+                sampled[k] = (request_id, EOS, None)
             for r in s.update_from_output(pending, sampled):
                 d.outputs.setdefault(r.request.request_id, []).append(r.token_id)
             pending = None
@@ -123,6 +132,6 @@ def test_random_operation_sequences_keep_the_invariants(data):
     assert s.requests == {} and s.kv.held_request_ids() == []
     assert s.kv.pool.num_used_blocks == 0 and s.kv.pool.usage == 0
     for request_id, prompt in prompts.items():
-        check_tokens(prompt, outputs.get(request_id, []))
+        check_tokens(prompt, outputs.get(request_id, []), forced.get(request_id, set()))
         if request_id not in aborted:
             assert outputs.get(request_id), f"{request_id} finished without output"
