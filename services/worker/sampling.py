@@ -1,7 +1,8 @@
 """Batched sampling over one step's logits: greedy, temperature, min-p / top-k / top-p, penalties,
 per-request seeds and top-n logprobs.
 
-Order per row (as vLLM): penalties on the raw logits -> temperature -> min-p -> top-k -> top-p -> sample.
+Order per row (as vLLM): stop tokens banned until min_tokens -> penalties on the raw logits ->
+temperature -> min-p -> top-k -> top-p -> sample.
 Greedy rows take the argmax of the penalised logits. Random rows use the exponential race:
 argmax(probs / E) with E ~ Exp(1) i.i.d. per token, which picks token i with probability probs[i].
 The noise of a seeded request's output token k comes from a generator seeded with mix(seed, k),
@@ -61,6 +62,7 @@ class Sampler:
             self._shared.manual_seed(seed & _MASK64)
         self._positional = torch.Generator(device=self.device)  # reseeded for every seeded row
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: list[RequestSampling]) -> SamplerOutput:
         """logits: [num_rows, >= vocab_size] in any float dtype; columns past vocab_size (padding) are ignored."""
         if logits.shape[0] != len(requests) or logits.shape[-1] < self.vocab_size:
@@ -77,11 +79,14 @@ class Sampler:
     def _sample_full(self, logits: torch.Tensor, requests: list[RequestSampling]) -> SamplerOutput:
         logprob_rows = [i for i, r in enumerate(requests) if r.num_logprobs > 0]
         penalised_rows = [i for i, r in enumerate(requests) if r.penalised]
+        banning_rows = [i for i, r in enumerate(requests) if r.bans_stop_tokens]
         random_rows = [i for i, r in enumerate(requests) if not r.greedy]
 
         raw_logprobs = None  # [L, vocab]: log-softmax of the raw logits of the rows asking for logprobs
         if logprob_rows:
             raw_logprobs = torch.log_softmax(logits[self._index(logprob_rows)], dim=-1)
+        if banning_rows:
+            self._ban_stop_tokens(logits, [(i, requests[i].min_tokens_banned) for i in banning_rows])
         if penalised_rows:
             index = self._index(penalised_rows)
             penalised = [requests[i] for i in penalised_rows]
@@ -144,6 +149,13 @@ class Sampler:
             self._positional.manual_seed(position_seed(r.seed, r.num_output_tokens))
             uniform[row].uniform_(generator=self._positional)
         return uniform.log_().neg_()
+
+    def _ban_stop_tokens(self, logits: torch.Tensor, banned: list[tuple[int, list[int]]]) -> None:
+        """Set logits[row, token] = -inf for each row's banned tokens (ids past the vocabulary ignored)."""
+        pairs = [(row, t) for row, tokens in banned for t in tokens if 0 <= t < self.vocab_size]
+        if pairs:
+            rows, tokens = torch.tensor(pairs, dtype=torch.long, device=self.device).unbind(1)
+            logits[rows, tokens] = float("-inf")
 
     def _seed_shared(self, requests: list[RequestSampling]) -> None:
         if self._shared_seeded:

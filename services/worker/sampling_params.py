@@ -36,6 +36,9 @@ class RequestSampling:
     num_output_tokens: int
     # Seed for the sampler-wide generator that unseeded requests share (the worker's --seed).
     default_seed: int | None = None
+    # Stop tokens (stop_token_ids, plus EOS unless ignore_eos) banned while num_output_tokens < min_tokens.
+    min_tokens: int = 0
+    min_tokens_banned: list[int] = field(default_factory=list)
     # Penalty state, only for penalised requests. Until the sampler first sees the request
     # prompt_token_ids holds the prompt; pending_token_ids holds outputs not yet in output_counts.
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -51,9 +54,11 @@ class RequestSampling:
         prompt_token_ids: list[int],
         output_token_ids: list[int],
         default_seed: int | None = None,
+        eos_token_ids: list[int] | tuple[int, ...] = (),
     ) -> RequestSampling:
         """``output_token_ids`` is non-empty for a request resumed after preemption: they count for
-        penalties and for the position of the seeded noise."""
+        penalties and for the position of the seeded noise. ``eos_token_ids`` (the model's) are banned,
+        with ``stop_token_ids``, until ``min_tokens`` tokens were generated."""
         temperature = params.temperature if params.temperature >= GREEDY_TEMPERATURE else 0.0
         top_p = params.top_p if 0.0 < params.top_p < 1.0 else 1.0
         repetition = params.repetition_penalty if params.repetition_penalty > 0.0 else 1.0
@@ -70,6 +75,10 @@ class RequestSampling:
             num_output_tokens=len(output_token_ids),
             default_seed=default_seed,
         )
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        if params.min_tokens > 0 and banned:
+            state.min_tokens = params.min_tokens
+            state.min_tokens_banned = sorted(banned)
         if state.penalised:
             state.prompt_token_ids = list(prompt_token_ids)
             state.pending_token_ids = list(output_token_ids)
@@ -84,9 +93,14 @@ class RequestSampling:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def bans_stop_tokens(self) -> bool:
+        """min_tokens is not reached yet: stop tokens may not be sampled this step."""
+        return self.num_output_tokens < self.min_tokens
+
+    @property
     def plain_greedy(self) -> bool:
         """Argmax of the raw logits is this request's whole sampling step."""
-        return self.temperature == 0.0 and self.num_logprobs == 0 and not self.penalised
+        return self.temperature == 0.0 and self.num_logprobs == 0 and not self.penalised and not self.bans_stop_tokens
 
     def append(self, token_id: int) -> None:
         """Record a token sampled for this request (the worker calls this once per sampled token)."""

@@ -404,3 +404,34 @@ def test_logprob_rows_do_not_change_the_caller_logits():
     before = logits.clone()
     Sampler(30, CPU)(logits, [request(logprobs=2, frequency_penalty=1.0, outputs=[3]), request(temperature=1.0)])
     assert logits.equal(before)
+
+
+# --- min_tokens ---
+
+
+def test_stop_tokens_are_banned_until_min_tokens():
+    vocab, eos, stop = 12, 7, 5
+    logits = torch.zeros(1, vocab)
+    logits[0, eos], logits[0, stop], logits[0, 2] = 9.0, 8.0, 1.0  # EOS, then the stop token, would win
+    sampler = Sampler(vocab, CPU)
+
+    def generate(num_tokens: int, **fields) -> list[int]:
+        me = RequestSampling.create(params(**fields), [1], [], eos_token_ids=[eos])
+        produced = []
+        for _ in range(num_tokens):
+            produced.append(sampler(logits, [me]).token_ids[0])
+            me.append(produced[-1])
+        return produced
+
+    assert generate(5, min_tokens=3, stop_token_ids=[stop]) == [2, 2, 2, eos, eos]
+    assert generate(5, min_tokens=3, stop_token_ids=[stop], ignore_eos=True) == [eos] * 5
+    assert generate(2, min_tokens=3, stop_token_ids=[stop], ignore_eos=True, temperature=1e-3) == [eos] * 2
+    assert generate(3, min_tokens=2) == [stop, stop, eos]  # only EOS is banned: 5 is no stop token here
+    assert RequestSampling.create(params(min_tokens=4), [1], []).plain_greedy  # nothing to ban
+    # A resumed request counts its earlier outputs towards min_tokens.
+    resumed = RequestSampling.create(params(min_tokens=3), [1], [2, 2, 2], eos_token_ids=[eos])
+    assert resumed.plain_greedy
+    assert sampler(logits, [resumed]).token_ids == [eos]
+    # Sampled rows: the ban holds over many draws.
+    reqs = [RequestSampling.create(params(temperature=1.0, min_tokens=1), [], [], eos_token_ids=[eos, stop])] * 500
+    assert not {eos, stop} & set(sampler(logits.expand(500, -1).contiguous(), reqs).token_ids)
