@@ -11,7 +11,7 @@ import grpc
 from opentelemetry.trace import Status, StatusCode
 
 from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2
-from services.common.errors import InvalidArgument, Unavailable, grpc_errors
+from services.common.errors import InvalidArgument, KvgridError, Unavailable, grpc_errors
 from services.common.metrics import TokenizerMetrics
 from services.common.tracing import context_from_metadata, inject, tracer
 from services.tokenizer import validation as v
@@ -31,6 +31,14 @@ async def _off_loop(fn, value, num_chars: int, **kwargs):
     if num_chars < LONG_INPUT_CHARS:
         return fn(value, **kwargs)
     return await asyncio.to_thread(fn, value, **kwargs)
+
+
+class SchedulerError(KvgridError):
+    """A failed Submit: the client gets the scheduler's status code, with where it came from."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 def _messages(messages) -> list[dict[str, str]]:
@@ -151,7 +159,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         except grpc.aio.AioRpcError as e:
             upstream_done = True
             span.set_status(Status(StatusCode.ERROR, f"{e.code().name}: {e.details()}"))
-            raise
+            raise SchedulerError(e.code(), f"scheduler at {self._link.addr}: {e.details() or e.code().name}") from e
         except Exception as e:
             span.set_status(Status(StatusCode.ERROR, str(e)))
             raise

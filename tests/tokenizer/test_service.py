@@ -261,7 +261,8 @@ def test_scheduler_errors_pass_through_with_their_code(stack, code):
     stack.fake.script = Script(error=code)
     with pytest.raises(grpc.RpcError) as err:
         generate(stack, prompt="hi")
-    assert err.value.code() == code and code.name in err.value.details()
+    assert err.value.code() == code
+    assert err.value.details().startswith("scheduler at 127.0.0.1:") and code.name in err.value.details()
 
 
 def test_client_cancel_aborts_the_request_upstream(stack, smollm):
