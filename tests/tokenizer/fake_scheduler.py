@@ -28,6 +28,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, info: worker_pb2.HandshakeResponse):
         self.info = info
         self.script = Script()
+        self.scripts: dict[str, Script] = {}  # per request id, over ``script``
         self.submits: list[scheduler_pb2.SubmitRequest] = []
         self.submit_metadata: list[dict[str, str]] = []
         self.aborts: list[str] = []
@@ -37,7 +38,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def Submit(self, request, context):
         self.submits.append(request)
         self.submit_metadata.append(dict(context.invocation_metadata() or ()))
-        script = self.script
+        script = self.scripts.get(request.request_id, self.script)
         if script.error is not None:
             await context.abort(script.error, f"scripted {script.error.name}")
         n = len(request.prompt_token_ids)

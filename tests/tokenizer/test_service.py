@@ -6,6 +6,7 @@ import random
 import re
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -140,6 +141,17 @@ def test_chat_uses_the_models_chat_template(stack, smollm):
     expected = smollm.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert list(stack.fake.submits[-1].prompt_token_ids) == expected
     assert responses[-1].usage.prompt_tokens == len(expected)
+
+
+def test_concurrent_streams_keep_their_own_text(stack, smollm):
+    rng = random.Random(7)
+    expected = {f"conc-{i}": f"Stream {i}: " + "🎉你好é"[i % 4 :] * (i % 5 + 1) for i in range(16)}
+    for request_id, text in expected.items():
+        ids = smollm.hf(text, add_special_tokens=False)["input_ids"]
+        stack.fake.scripts[request_id] = Script(deltas=chunked(ids, rng), finish=STOP, delay_s=0.002)
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        results = pool.map(lambda rid: (rid, joined(generate(stack, prompt="go", request_id=rid))[0]), expected)
+        assert dict(results) == expected
 
 
 def test_tokenize_and_detokenize_match_transformers(stack, smollm):
