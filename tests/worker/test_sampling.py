@@ -215,6 +215,51 @@ def test_seeded_rows_are_distributed_like_softmax():
     assert chi_square(tokens, torch.softmax(logits / 0.8, dim=-1)) < CHI2_7DOF_LIMIT
 
 
+def reference_filtered_probs(logits: list[float], temperature, top_k, top_p, min_p) -> list[float]:
+    """Slow float64 reference of temperature -> min-p -> top-k -> top-p; the distribution sampled from."""
+    scaled = [x / temperature for x in logits]
+    top = max(scaled)
+    weights = [math.exp(x - top) for x in scaled]
+    keep = [w >= min_p for w in weights]  # w is p / p_max
+    ranked = sorted(range(len(scaled)), key=lambda i: -scaled[i])
+    if top_k > 0:
+        for i in ranked[top_k:]:
+            keep[i] = False
+    total = sum(w for w, k in zip(weights, keep, strict=True) if k)
+    mass_before = 0.0
+    for i in ranked:
+        if keep[i]:
+            if mass_before >= top_p:
+                keep[i] = False
+            mass_before += weights[i] / total
+    total = sum(w for w, k in zip(weights, keep, strict=True) if k)
+    return [w / total if k else 0.0 for w, k in zip(weights, keep, strict=True)]
+
+
+def test_filtered_distribution_matches_a_slow_reference():
+    vocab, draws = 12, 2000
+    gen = torch.Generator().manual_seed(18)
+    cases = []
+    for _ in range(16):
+        logits = (torch.randn(vocab, generator=gen) * 2).tolist()
+        temperature = 0.3 + 1.7 * torch.rand(1, generator=gen).item()
+        top_k = int(torch.randint(0, vocab + 1, (1,), generator=gen))
+        top_p = [1.0, 0.5, 0.8, 0.95][int(torch.randint(0, 4, (1,), generator=gen))]
+        min_p = [0.0, 0.05, 0.2][int(torch.randint(0, 3, (1,), generator=gen))]
+        cases.append((logits, temperature, top_k, top_p, min_p))
+    rows = torch.tensor([case[0] for case in cases]).repeat_interleave(draws, dim=0)
+    reqs = [request(temperature=t, top_k=k, top_p=p, min_p=m) for _, t, k, p, m in cases for _ in range(draws)]
+    tokens = torch.tensor(Sampler(vocab, CPU, seed=9)(rows, reqs).token_ids).view(len(cases), draws)
+    for case, drawn in zip(cases, tokens, strict=True):
+        expected = reference_filtered_probs(*case)
+        observed = torch.bincount(drawn, minlength=vocab).double() / draws
+        for p, o in zip(expected, observed.tolist(), strict=True):
+            if p == 0.0:
+                assert o == 0.0, case
+            else:
+                assert abs(o - p) <= 4.5 * math.sqrt(p * (1 - p) / draws) + 1e-3, case
+
+
 # --- seeds ---
 
 
