@@ -16,10 +16,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvgrid.v1 import generate_pb2, generate_pb2_grpc
+from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from services.common.server import SERVING
 from tests.tokenizer.conftest import LoopThread, frontend_config, handshake, wait_until
-from tests.tokenizer.fake_scheduler import start_fake_scheduler
+from tests.tokenizer.fake_scheduler import Script, start_fake_scheduler
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -154,27 +154,48 @@ def test_the_frontend_never_imports_torch_or_transformers(smollm):
     assert "HEAVY []" in result.stdout
 
 
-def test_kvgrid_tokenizer_command_serves_and_stops_on_sigterm(smollm):
+def test_kvgrid_tokenizer_command_serves_traces_and_stops_on_sigterm(loop, smollm):
+    from tests.observability.otlp_collector import OtlpCollector
+
+    server, fake, _, port = loop.run(start_fake_scheduler(handshake(smollm.files)))
+    fake.script = Script(deltas=[[28120]], finish=common_pb2.FINISH_REASON_LENGTH)
     grpc_port, http_port = free_port(), free_port()
     command = [sys.executable, "-m", "kvgrid.cli", "tokenizer", "--host", "127.0.0.1"]
-    command += ["--tokenizer-port", str(grpc_port), "--http-port", str(http_port)]
-    command += ["--scheduler-addr", "127.0.0.1:1", "--tokenizer", smollm.dir]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
-        stub = generate_pb2_grpc.TextGenerationStub(channel)
-        grpc.channel_ready_future(channel).result(timeout=60)
-        assert list(stub.Tokenize(generate_pb2.TokenizeRequest(text="hello"), timeout=5).token_ids) == [28120]
-        with pytest.raises(urllib.error.HTTPError) as err:  # no scheduler: not serving
-            urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=5)
-        assert err.value.code == 503
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5).read().decode()
-        assert "kvgrid_time_to_first_token_seconds_bucket" in metrics
-        channel.close()
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-        output = process.communicate()[0]
-    assert "shutting down" in output
+    command += [
+        "--tokenizer-port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        "--scheduler-addr",
+        f"127.0.0.1:{port}",
+    ]
+    with OtlpCollector() as collector:
+        env = dict(os.environ, **collector.env())
+        process = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        try:
+            channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
+            grpc.channel_ready_future(channel).result(timeout=60)
+            wait_until(lambda: health_status(channel) == SERVING, timeout=60, what="the command to serve")
+            assert urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=5).status == 200
+            stub = generate_pb2_grpc.TextGenerationStub(channel)
+            request = generate_pb2.GenerateRequest(prompt="hi", request_id="traced-1")
+            assert "".join(r.text for r in stub.Generate(request, timeout=30)) == "hello"
+            metrics = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5).read().decode()
+            assert 'kvgrid_requests_total{model="SmolLM2-135M-Instruct",status="length"} 1.0' in metrics
+            channel.close()
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=30) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+            output = process.communicate()[0]
+            loop.run(server.stop(0))
+        assert "shutting down" in output
+        spans = [s for s in collector.spans() if s.name == "tokenizer.generate"]
+    assert len(spans) == 1, output
+    span = spans[0]
+    assert span.service == "kvgrid-tokenizer" and span.attributes["kvgrid.request_id"] == "traced-1"
+    # The Submit call carried this span's context: the scheduler's span will be its child.
+    assert fake.submit_metadata[-1]["traceparent"].split("-")[1:3] == [span.trace_id, span.span_id]
