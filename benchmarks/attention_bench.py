@@ -5,7 +5,9 @@
 Decode attention is bound by reading the KV cache, so the figure of merit is achieved bandwidth
 (bytes of K, V, queries, outputs and block tables per second) as a fraction of the GPU's peak:
 the nominal datasheet figure where the GPU is known, and always a measured device-to-device copy.
-A second scenario mixes prefill chunks with decodes in one step. Without CUDA it says so and exits 0.
+A second scenario mixes prefill chunks with decodes in one step; a third is a small batch over a
+long context, where split-KV (flash decoding, ``num_splits``) should pay off if it ever does.
+Without CUDA it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -106,16 +108,17 @@ def run_scenario(name, lens, args, dtype, do_bench, nominal, copy_bw, device="cu
     num_bytes = step_bytes(query, k_cache, meta)
     impls = {"torch": lambda: torch_backend.forward(query, k_cache, v_cache, meta, scale)}
     for tile_n in args.tile_n:
-        out = torch.empty_like(query)
+        for num_splits in args.num_splits:
+            out = torch.empty_like(query)
 
-        def triton_call(tile_n=tile_n, out=out):
-            return paged_attention(
-                query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
-                meta.max_query_len, out=out, tile_n=tile_n,
-            )  # fmt: skip
+            def triton_call(tile_n=tile_n, num_splits=num_splits, out=out):
+                return paged_attention(
+                    query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale,
+                    meta.max_query_len, out=out, tile_n=tile_n, num_splits=num_splits,
+                )  # fmt: skip
 
-        torch.testing.assert_close(triton_call(), expected, atol=2e-2, rtol=2e-2)
-        impls[f"triton tile_n={tile_n}"] = triton_call
+            torch.testing.assert_close(triton_call(), expected, atol=2e-2, rtol=2e-2)
+            impls[f"triton n={tile_n} splits={num_splits}"] = triton_call
     results = []
     for impl, fn in impls.items():
         ms = do_bench(fn)
@@ -132,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     parser.add_argument("--tile-n", type=int, nargs="+", default=[32, 64], help="keys per kernel iteration")
+    parser.add_argument("--num-splits", type=int, nargs="+", default=[1, 4], help="split-KV ranges")
+    parser.add_argument("--long-context", type=int, default=16384, help="context of the small-batch scenario")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -148,13 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"shape {args.shape} {SHAPES[args.shape]} (heads, kv heads, head dim), {args.dtype}, block {args.block_size}")
     decode = [(1, args.context)] * args.batch
     mixed = [(1, args.context)] * (args.batch - 4) + [(512, args.context)] * 4  # 4 prefill chunks over a cache
+    long = [(1, args.long_context)] * 2
+    scenarios = [
+        (f"decode b={args.batch} ctx={args.context}", decode),
+        ("mixed 4x512 prefill", mixed),
+        (f"decode b=2 ctx={args.long_context}", long),
+    ]
     results = []
-    for scenario, lens in ((f"decode b={args.batch} ctx={args.context}", decode), ("mixed 4x512 prefill", mixed)):
+    for scenario, lens in scenarios:
         results += run_scenario(scenario, lens, args, dtype, do_bench, nominal, copy_bw)
-    print(f"{'scenario':32} {'impl':22} {'ms':>8} {'GB/s':>8} {'of peak':>8} {'of copy':>8}")
+    print(f"{'scenario':32} {'impl':26} {'ms':>8} {'GB/s':>8} {'of peak':>8} {'of copy':>8}")
     for r in results:
         of_peak = f"{r.fraction_of_nominal:8.1%}" if r.fraction_of_nominal is not None else f"{'-':>8}"
-        print(f"{r.scenario:32} {r.impl:22} {r.ms:8.3f} {r.gb_per_s:8.0f} {of_peak} {r.fraction_of_copy:8.1%}")
+        print(f"{r.scenario:32} {r.impl:26} {r.ms:8.3f} {r.gb_per_s:8.0f} {of_peak} {r.fraction_of_copy:8.1%}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "args": vars(args), "results": [asdict(r) for r in results]}, f, indent=1)

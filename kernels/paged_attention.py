@@ -5,6 +5,10 @@ Request i owns query rows ``query_start_loc[i] : query_start_loc[i+1]``; they ar
 paged cache (written by ``kv_cache_write`` earlier in the step). Attention is causal within
 the new tokens and full over the cached ones.
 
+Split-KV (flash decoding, ``num_splits > 1``): a third grid axis cuts each row block's keys into
+``num_splits`` ranges; each writes its normalized partial output and log-sum-exp, and
+``split_kv_reduce`` combines them. It gives small batches over long contexts more programs.
+
 One program handles ``BLOCK_Q`` consecutive query tokens of one request and *all* query heads
 that share one KV head (grouped-query attention), packed as ``BLOCK_M`` rows
 (row = query_token * QUERIES_PER_KV + head_in_group). A decode row block therefore reads each
@@ -17,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
+
+from .split_kv_reduce import split_kv_reduce
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 # Finite stand-in for -inf as the running max: exp2(NEG_BIG - NEG_BIG) is 1, not NaN.
@@ -51,6 +57,8 @@ def paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32
+    partial_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_PAD] float32, used when NUM_SPLITS > 1
+    partial_lse_ptr,  # [num_tokens, num_heads, NUM_SPLITS] float32 log2-sum-exp2, used when NUM_SPLITS > 1
     scale,  # float32 softmax scale
     num_seqs,
     stride_out_t,
@@ -64,6 +72,7 @@ def paged_attention_kernel(
     stride_v_slot,
     stride_v_head,
     stride_bt_seq,
+    stride_partial_t,  # partial_lse's token stride; partial_out's is HEAD_PAD times it
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,  # next power of two >= HEAD_DIM; lanes past HEAD_DIM are masked
     BLOCK_SIZE: tl.constexpr,  # tokens per KV cache block
@@ -73,9 +82,11 @@ def paged_attention_kernel(
     TILE_N: tl.constexpr,  # keys per inner iteration; each key looks up its own block, so any power of two >= 16
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no tf32 rounding), else "tf32" (unused for 16-bit)
     DOT_IN_FP32: tl.constexpr,  # upcast dot operands: the interpreter's tl.dot misreads bfloat16 (triton#11584)
+    NUM_SPLITS: tl.constexpr,  # 1: write the output directly; more: write partials for split_kv_reduce
 ):
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
     seq_idx = _find_seq(query_start_loc_ptr, num_seqs, tile_id, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq_idx)
@@ -108,11 +119,14 @@ def paged_attention_kernel(
 
     # Keys this tile can see: every cached token plus the new ones up to its last query.
     num_keys = num_cached + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    tiles_per_split = tl.cdiv(tl.cdiv(num_keys, TILE_N), NUM_SPLITS)
+    key_lo = split * tiles_per_split * TILE_N
+    key_hi = tl.minimum(key_lo + tiles_per_split * TILE_N, num_keys)  # may be <= key_lo: an empty split
     block_table = block_tables_ptr + seq_idx * stride_bt_seq
     cols = tl.arange(0, TILE_N)
-    for key_start in range(0, num_keys, TILE_N):
+    for key_start in range(key_lo, key_hi, TILE_N):
         key_pos = key_start + cols  # [TILE_N]
-        key_valid = key_pos < num_keys
+        key_valid = key_pos < key_hi
         # int64 before the multiply: block_id * stride_k_block passes 2**31 on large caches.
         block_id = tl.load(block_table + key_pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         slot = (key_pos % BLOCK_SIZE).to(tl.int64)
@@ -137,10 +151,21 @@ def paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # Every valid row saw key 0 (positions start at 0 and key 0 <= q_pos), so l_i > 0 there.
-    out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
-    out_offsets = token[:, None] * stride_out_t + head[:, None] * stride_out_h + dims[None, :]
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    if NUM_SPLITS == 1:
+        # Every valid row saw key 0 (positions start at 0 and key 0 <= q_pos), so l_i > 0 there.
+        out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
+        out_offsets = token[:, None] * stride_out_t + head[:, None] * stride_out_h + dims[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        # A split may hold no key a row can see (empty, or past its causal limit): weight 0 in the reduce.
+        # Split 0 always holds key 0, so every valid row has at least one finite lse.
+        seen = l_i > 0
+        partial = acc / tl.where(seen, l_i, 1.0)[:, None]  # [BLOCK_M, HEAD_PAD]
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))  # [BLOCK_M]
+        lse_offsets = token * stride_partial_t + head * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(partial_lse_ptr + lse_offsets, lse, mask=row_valid)
+        partial_offsets = lse_offsets[:, None] * HEAD_PAD + dims[None, :]
+        tl.store(partial_out_ptr + partial_offsets, partial, mask=row_valid[:, None])
 
 
 def _rows_per_program(queries_per_kv: int, max_query_len: int) -> int:
@@ -160,8 +185,11 @@ def paged_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     tile_n: int = 32,
+    num_splits: int = 1,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Attention of each new token over its request's cached and new keys (already in the cache)."""
+    """Attention of each new token over its request's cached and new keys (already in the cache).
+
+    ``tile_n`` (keys per iteration) and ``num_splits`` (split-KV ranges) change speed, not results."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
@@ -183,7 +211,13 @@ def paged_attention(
     queries_per_kv = num_heads // num_kv_heads
     block_m = _rows_per_program(queries_per_kv, max_query_len)
     block_q = block_m // queries_per_kv
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        partial_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        partial_out = torch.empty(num_tokens, num_heads, num_splits, head_pad, dtype=torch.float32, device=query.device)
+    else:
+        partial_lse = partial_out = out  # never touched
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     paged_attention_kernel[grid](
         out_ptr=out,
         query_ptr=query,
@@ -192,6 +226,8 @@ def paged_attention(
         block_tables_ptr=block_tables,
         query_start_loc_ptr=query_start_loc,
         seq_lens_ptr=seq_lens,
+        partial_out_ptr=partial_out,
+        partial_lse_ptr=partial_lse,
         scale=float(scale),
         num_seqs=num_seqs,
         stride_out_t=out.stride(0),
@@ -205,8 +241,9 @@ def paged_attention(
         stride_v_slot=v_cache.stride(1),
         stride_v_head=v_cache.stride(2),
         stride_bt_seq=block_tables.stride(0),
+        stride_partial_t=num_heads * num_splits,
         HEAD_DIM=head_dim,
-        HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_PAD=head_pad,
         BLOCK_SIZE=block_size,
         QUERIES_PER_KV=queries_per_kv,
         BLOCK_Q=block_q,
@@ -214,5 +251,8 @@ def paged_attention(
         TILE_N=tile_n,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 or dot_in_fp32 else "tf32",
         DOT_IN_FP32=dot_in_fp32,
+        NUM_SPLITS=num_splits,
     )
+    if num_splits > 1:
+        split_kv_reduce(partial_out, partial_lse, out)
     return out

@@ -6,6 +6,8 @@ so a kernel test compares against something that is easy to check by eye.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -19,7 +21,8 @@ def paged_attention_reference(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
-    tile_n: int = 32,  # kernel tuning knob, ignored here
+    tile_n: int = 32,  # kernel tuning knobs, ignored here
+    num_splits: int = 1,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_heads = query.shape[1]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -43,6 +46,17 @@ def paged_attention_reference(
         probs = scores.softmax(dim=-1)
         result[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return result
+
+
+def split_kv_reduce_reference(
+    partial_out: torch.Tensor,  # [num_tokens, num_heads, num_splits, head_pad] float32
+    partial_lse: torch.Tensor,  # [num_tokens, num_heads, num_splits] float32, log2-sum-exp2, -inf = empty
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written in place
+) -> None:
+    """Each split's output weighted by its share of the total softmax mass, 2**lse_j / sum_j 2**lse_j."""
+    head_dim = out.shape[-1]
+    weights = torch.softmax(partial_lse * math.log(2.0), dim=-1)  # [num_tokens, num_heads, num_splits]
+    out.copy_((weights[..., None] * partial_out[..., :head_dim]).sum(dim=2).to(out.dtype))
 
 
 def kv_cache_write_reference(

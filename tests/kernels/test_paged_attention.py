@@ -19,10 +19,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def _check(batch, dtype: torch.dtype) -> None:
+def _check(batch, dtype: torch.dtype, num_splits: int = 1) -> None:
     scale = batch.query.shape[-1] ** -0.5
     args = tuple(t.to(DEVICE) for t in batch.args())
-    out = paged_attention(*args, scale, batch.max_query_len)
+    out = paged_attention(*args, scale, batch.max_query_len, num_splits=num_splits)
     expected = paged_attention_reference(*batch.args(), scale, batch.max_query_len)
     assert out.dtype == dtype and out.shape == batch.query.shape
     tol = TOLERANCE[dtype]
@@ -72,6 +72,17 @@ def test_non_power_of_two_head_dim(head_dim):
     """Padded to the next power of two with masked lanes; the padding must not leak into the output."""
     batch = random_batch(MIXED, 3, 1, head_dim, 16, torch.float32, seed=head_dim)
     _check(batch, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("lens", "num_splits", "dtype"),
+    [(MIXED, 2, torch.float32), (MIXED, 3, torch.float32), (DECODES, 4, torch.float16), ([(1, 200)], 8, torch.float32)],
+)
+def test_split_kv(lens, num_splits, dtype):
+    """Flash-decoding splits: prefill rows whose causal limit ends before a split, and empty splits
+    (more splits than key tiles), must carry no weight in the reduce."""
+    batch = random_batch(lens, 3, 1, 64, 16, dtype, seed=num_splits)
+    _check(batch, dtype, num_splits=num_splits)
 
 
 def test_causal_within_new_tokens():
@@ -134,7 +145,8 @@ def test_block_offsets_past_int32():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(32, 8, 128), (9, 3, 64), (32, 32, 128)])
-def test_large_shapes_cuda(dtype, num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_large_shapes_cuda(dtype, num_heads, num_kv_heads, head_dim, num_splits):
     lens = [(1, 2048)] * 24 + [(512, 1800), (300, 300), (1, 4000), (77, 2100)]
     batch = random_batch(lens, num_heads, num_kv_heads, head_dim, 16, dtype, seed=1)
-    _check(batch, dtype)
+    _check(batch, dtype, num_splits=num_splits)
