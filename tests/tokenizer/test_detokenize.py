@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.stop_strings import StopStringMatcher
@@ -135,3 +137,37 @@ def test_stop_string_random_splits_match_a_plain_search():
             assert matcher.stopped and out == text[: min(hits)]
         else:
             assert not matcher.stopped and out + matcher.flush() == text
+
+
+def sentencepiece_style_tokenizer() -> TextTokenizer:
+    """A tiny Llama-2-style tokenizer: '▁' for spaces, byte fallback, a decoder that strips the first space."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello", "▁hello"]
+    pieces += ["wo", "wor", "worl", "world", "▁world"]
+    vocab.update({piece: len(vocab) + i for i, piece in enumerate(pieces)})
+    merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("▁", "hello")]
+    merges += [("w", "o"), ("wo", "r"), ("wor", "l"), ("worl", "d"), ("▁", "world")]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    return TextTokenizer.from_files(
+        {"tokenizer.json": backend.to_str().encode(), "tokenizer_config.json": json.dumps(config).encode()}
+    )
+
+
+def test_sentencepiece_style_byte_fallback_and_leading_space():
+    tok = sentencepiece_style_tokenizer()
+    text = "hello world 你 😀 world"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.token_strings(ids)[:3] == ["▁hello", "▁world", "▁"] and "<0xE4>" in tok.token_strings(ids)
+    rng = random.Random(6)
+    for _ in range(20):
+        deltas, tail = stream(tok, ids, rng)
+        assert "".join(deltas) + tail == text and not any("\ufffd" in d for d in deltas)
+        # After a prompt, the first output token keeps the space it has in context (decoded alone it loses it).
+        deltas, tail = stream(tok, ids[1:], rng, prompt=ids[:1])
+        assert "".join(deltas) + tail == text.removeprefix("hello")
+    assert tok.decode(ids[1:]) == text.removeprefix("hello ")
