@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.sampling_params import PENDING_FLUSH_LIMIT, RequestSampling
+from services.worker.sampling_params import PENDING_FLUSH_LIMIT, RequestSampling, device_tensor
 
 
 def gather_penalty_state(
@@ -26,7 +26,7 @@ def gather_penalty_state(
         rows.extend([row] * len(pending))
         tokens.extend(pending)
     if tokens:
-        index = torch.tensor([rows, tokens], dtype=torch.long, device=device)
+        index = device_tensor([rows, tokens], torch.long, device)
         ones = torch.ones(len(tokens), dtype=torch.int32, device=device)
         counts.index_put_((index[0], index[1]), ones, accumulate=True)
     for row, r in enumerate(requests):
@@ -39,7 +39,7 @@ def gather_penalty_state(
 def penalty_params(requests: list[RequestSampling], device: torch.device) -> torch.Tensor:
     """[P, 3] float32: repetition, frequency, presence penalty per row."""
     values = [[r.repetition_penalty, r.frequency_penalty, r.presence_penalty] for r in requests]
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return device_tensor(values, torch.float32, device)
 
 
 def apply_penalties(

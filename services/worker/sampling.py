@@ -19,7 +19,7 @@ import torch
 from kvgrid.v1 import common_pb2
 from services.worker.penalties import apply_penalties, gather_penalty_state, penalty_params
 from services.worker.sampling_filters import apply_min_p, apply_top_k, apply_top_k_top_p
-from services.worker.sampling_params import RequestSampling
+from services.worker.sampling_params import RequestSampling, device_tensor
 
 __all__ = ["RequestSampling", "Sampler", "SamplerOutput", "position_seed"]
 
@@ -118,7 +118,7 @@ class Sampler:
         num_rows, vocab = logits.shape
         # columns: temperature, top_p (> 1 means off), min_p, top_k (vocab means off)
         values = [[r.temperature, r.top_p if r.top_p < 1.0 else 2.0, r.min_p, r.top_k or vocab] for r in requests]
-        params = torch.tensor(values, dtype=torch.float32, device=self.device)
+        params = device_tensor(values, torch.float32, self.device)
         logits.div_(params[:, 0:1])
         if any(r.min_p > 0.0 for r in requests):
             apply_min_p(logits, params[:, 2])
@@ -154,7 +154,7 @@ class Sampler:
         """Set logits[row, token] = -inf for each row's banned tokens (ids past the vocabulary ignored)."""
         pairs = [(row, t) for row, tokens in banned for t in tokens if 0 <= t < self.vocab_size]
         if pairs:
-            rows, tokens = torch.tensor(pairs, dtype=torch.long, device=self.device).unbind(1)
+            rows, tokens = device_tensor(pairs, torch.long, self.device).unbind(1)
             logits[rows, tokens] = float("-inf")
 
     def _seed_shared(self, requests: list[RequestSampling]) -> None:
@@ -166,7 +166,7 @@ class Sampler:
             self._shared_seeded = True
 
     def _index(self, rows: list[int]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+        return device_tensor(rows, torch.long, self.device)
 
 
 def _top_logprobs(

@@ -16,6 +16,15 @@ MAX_LOGPROBS = 20
 PENDING_FLUSH_LIMIT = 64
 
 
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A per-step host list as a device tensor. On CUDA the copy goes through pinned memory without
+    blocking, so building a step's small index/parameter tensors does not stall on the GPU queue."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(slots=True)
 class RequestSampling:
     """Sampling state the worker keeps for one request for the request's whole life.
@@ -115,6 +124,6 @@ class RequestSampling:
         prompt = [t for t in self.prompt_token_ids if 0 <= t < vocab_size]
         self.prompt_mask = torch.zeros(1, vocab_size, dtype=torch.bool, device=device)
         if prompt:
-            self.prompt_mask[0, torch.tensor(prompt, dtype=torch.long, device=device)] = True
+            self.prompt_mask[0, device_tensor(prompt, torch.long, device)] = True
         self.output_counts = torch.zeros(1, vocab_size, dtype=torch.int32, device=device)
         self.prompt_token_ids = []

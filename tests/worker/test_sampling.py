@@ -282,7 +282,7 @@ def run_seeded(
     for step in steps:
         others = [request(**companion_kinds[i % len(companion_kinds)]) for i in range(companions)]
         rows = companion_logits(step, companions)
-        logits = torch.cat([rows[:position], step_logits(step).unsqueeze(0), rows[position:]])
+        logits = torch.cat([rows[:position], step_logits(step).unsqueeze(0), rows[position:]]).to(sampler.device)
         token = sampler(logits, others[:position] + [me] + others[position:]).token_ids[position]
         me.append(token)
         produced.append(token)
@@ -480,3 +480,29 @@ def test_stop_tokens_are_banned_until_min_tokens():
     # Sampled rows: the ban holds over many draws.
     reqs = [RequestSampling.create(params(temperature=1.0, min_tokens=1), [], [], eos_token_ids=[eos, stop])] * 500
     assert not {eos, stop} & set(sampler(logits.expand(500, -1).contiguous(), reqs).token_ids)
+
+
+# --- the same guarantees on a GPU (skipped without one) ---
+
+
+@pytest.mark.cuda
+def test_cuda_sampler():
+    cuda = torch.device("cuda")
+    gen = torch.Generator().manual_seed(19)
+    logits = torch.randn(8, 97, generator=gen) * 3
+    assert Sampler(97, cuda)(logits.to(cuda, torch.bfloat16), [request()] * 8).token_ids == (
+        logits.to(torch.bfloat16).float().argmax(-1).tolist()
+    )
+    alone = run_seeded(Sampler(97, cuda, seed=1), SEEDED, range(12), companions=0, position=0, outputs=[])
+    batched = run_seeded(Sampler(97, cuda, seed=2), SEEDED, range(12), companions=5, position=3, outputs=[])
+    before = run_seeded(Sampler(97, cuda), SEEDED, range(5), companions=1, position=0, outputs=[])
+    after = run_seeded(Sampler(97, cuda), SEEDED, range(5, 12), companions=3, position=3, outputs=before)
+    assert batched == alone == before + after
+    probs, column = shuffled([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02], seed=5)
+    tokens = sample_many(Sampler(7, cuda, seed=2), logits_from_probs(probs, 4000).to(cuda), temperature=1.0, top_p=0.7)
+    assert set(tokens.tolist()) == {column[0], column[1], column[2]}
+    out = Sampler(97, cuda)(logits.to(cuda), [request(logprobs=4, frequency_penalty=1.0, outputs=[1, 1])] * 8)
+    reference = torch.log_softmax(logits, dim=-1)
+    for row, entry in enumerate(out.logprobs):
+        assert [top.token_id for top in entry.top] == reference[row].topk(4).indices.tolist()
+        assert entry.logprob == pytest.approx(reference[row, entry.token_id].item(), abs=1e-4)
