@@ -11,26 +11,32 @@ import torch
 
 from kernels.reference import kv_cache_write_reference, paged_attention_reference
 from services.worker.attention import AttentionMetadata, get_backend
-from services.worker.attention.triton_backend import TritonAttentionBackend
+from services.worker.attention.triton_backend import TritonAttentionBackend, TritonUnavailable
 
 from .batches import MIXED, random_batch
 
 
 def test_auto_picks_triton_on_cuda_only():
-    assert isinstance(get_backend("auto", "cuda:0"), TritonAttentionBackend)
     assert get_backend("auto", "cpu").name == "torch"
-    assert isinstance(get_backend("triton", "cpu"), TritonAttentionBackend)
+    assert isinstance(get_backend("triton", "cpu"), TritonAttentionBackend)  # interpreter: CPU tensors
+    if torch.cuda.is_available():
+        assert isinstance(get_backend("auto", "cuda:0"), TritonAttentionBackend)
+    else:  # auto chose triton for CUDA, which refuses at construction: these kernels are interpreted
+        with pytest.raises(TritonUnavailable, match="interpreter"):
+            get_backend("auto", "cuda:0")
 
 
 def test_refuses_devices_it_cannot_run_on():
-    backend = TritonAttentionBackend()
+    with pytest.raises(TritonUnavailable, match="meta"):
+        TritonAttentionBackend("meta")
+    backend = TritonAttentionBackend()  # no device given: checked when tensors arrive
     query = torch.zeros(1, 1, 64, device="meta")
     cache = torch.zeros(1, 16, 1, 64, device="meta")
-    with pytest.raises(RuntimeError, match="meta"):
+    with pytest.raises(TritonUnavailable, match="meta"):
         backend.write_kv(query, query, cache, cache, torch.zeros(1, dtype=torch.int64, device="meta"))
     native = TritonAttentionBackend()
     native._interpreted = False  # as if TRITON_INTERPRET were unset: CPU tensors need the torch backend
-    with pytest.raises(RuntimeError, match="CUDA devices .* --attention-backend torch"):
+    with pytest.raises(TritonUnavailable, match="CUDA devices .* --attention-backend torch"):
         native.write_kv(*(torch.zeros(1, 1, 64),) * 2, *(torch.zeros(1, 16, 1, 64),) * 2, torch.zeros(1).long())
 
 

@@ -18,5 +18,5 @@ def get_backend(name: str, device: str) -> AttentionBackend:
     if name == "triton":
         from .triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(device)
     raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or triton)")
