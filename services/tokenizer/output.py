@@ -34,6 +34,7 @@ class OutputProcessor:
         self.request_id = request_id
         self._detokenizer = IncrementalDetokenizer(tokenizer, not sampling.include_special_tokens, prompt_ids)
         self._stops = StopStringMatcher(list(sampling.stop))
+        self._min_tokens = sampling.min_tokens
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
@@ -56,10 +57,12 @@ class OutputProcessor:
         token_ids = list(delta.token_ids)
         self.num_output_tokens += len(token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        text = self._stops.push(self._detokenizer.push(token_ids))
+        # Like EOS, a stop string cannot end the request before min_tokens tokens.
+        match = self.num_output_tokens > self._min_tokens
+        text = self._stops.push(self._detokenizer.push(token_ids), match)
         finish = FINISH_REASONS.get(delta.finish_reason, "")
         if finish and not self._stops.stopped:
-            text += self._stops.push(self._detokenizer.flush())
+            text += self._stops.push(self._detokenizer.flush(), match)
             text += self._stops.flush()
         if self._stops.stopped:
             finish = "stop"

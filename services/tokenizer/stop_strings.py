@@ -15,12 +15,15 @@ class StopStringMatcher:
         self.stopped = False
         self.matched: str | None = None
 
-    def push(self, text: str) -> str:
-        """Add a text delta; returns the part that is safe to emit. Sets ``stopped`` on a match."""
+    def push(self, text: str, match: bool = True) -> str:
+        """Add a text delta; returns the part that is safe to emit. Sets ``stopped`` on a match.
+
+        With ``match`` False (before min_tokens), the text is emitted without looking for stop strings.
+        """
         if self.stopped:
             return ""
         self._pending += text
-        if not self._stops:
+        if not self._stops or not match:
             out, self._pending = self._pending, ""
             return out
         first = None

@@ -118,6 +118,15 @@ def test_stop_string_at_the_very_end_is_still_excluded(stack, smollm):
     assert joined(responses)[0] == "answer: 42" and responses[-1].finish_reason == "stop"
 
 
+def test_stop_strings_apply_only_after_min_tokens(stack, smollm):
+    ids = smollm.hf("a. b. c. d.", add_special_tokens=False)["input_ids"]
+    stack.fake.script = Script(deltas=[[t] for t in ids], finish=LENGTH)
+    sampling = common_pb2.SamplingParams(stop=["."], min_tokens=3)
+    responses = generate(stack, prompt="hi", sampling=sampling)
+    assert joined(responses)[0] == "a. b" and responses[-1].finish_reason == "stop"
+    assert responses[-1].usage.completion_tokens == 4
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_special_tokens_skipped_unless_asked(stack, smollm, include):
     ids = smollm.hf("Sure!<|im_end|>", add_special_tokens=False)["input_ids"]
