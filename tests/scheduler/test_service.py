@@ -283,3 +283,14 @@ def test_graceful_stop_fails_in_flight_requests_with_unavailable():
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
 
     run(body())
+
+
+def test_a_worker_lost_while_idle_is_noticed_without_a_request():
+    async def body():
+        async with stack() as s:
+            await collect(s.stub, submit_request("a", [1, 2], max_tokens=2))
+            await s.worker.stop()
+            await s.wait_for(lambda st: not st.worker_ready)
+            assert await s.health() == NOT_SERVING
+
+    run(body())
