@@ -55,6 +55,15 @@ class RequestSampling:
     # Kept as one-row matrices so a batch is a torch.cat (torch.stack of 1-D rows is far slower on CPU).
     prompt_mask: torch.Tensor | None = None  # [1, vocab] bool, token occurs in the prompt
     output_counts: torch.Tensor | None = None  # [1, vocab] int32, times each token was generated
+    # Derived once from the parameters (fixed after construction): the sampler checks them per row per step.
+    greedy: bool = field(init=False)
+    penalised: bool = field(init=False)
+    argmax_only: bool = field(init=False)  # greedy, no penalties, no logprobs
+
+    def __post_init__(self) -> None:
+        self.greedy = self.temperature == 0.0
+        self.penalised = self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        self.argmax_only = self.greedy and not self.penalised and self.num_logprobs == 0
 
     @classmethod
     def create(
@@ -94,14 +103,6 @@ class RequestSampling:
         return state
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def penalised(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    @property
     def bans_stop_tokens(self) -> bool:
         """min_tokens is not reached yet: stop tokens may not be sampled this step."""
         return self.num_output_tokens < self.min_tokens
@@ -109,7 +110,7 @@ class RequestSampling:
     @property
     def plain_greedy(self) -> bool:
         """Argmax of the raw logits is this request's whole sampling step."""
-        return self.temperature == 0.0 and self.num_logprobs == 0 and not self.penalised and not self.bans_stop_tokens
+        return self.argmax_only and self.num_output_tokens >= self.min_tokens
 
     def append(self, token_id: int) -> None:
         """Record a token sampled for this request (the worker calls this once per sampled token)."""
