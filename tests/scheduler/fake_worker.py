@@ -80,6 +80,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.gate.set()
         # State of the current Execute stream, exposed for assertions.
         self.seqs: dict[str, _Seq] = {}
+        self.trace_contexts: dict[str, dict[str, str]] = {}
 
     async def Handshake(self, request, context) -> worker_pb2.HandshakeResponse:
         self.num_handshakes += 1
@@ -105,6 +106,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Execute(self, request_iterator, context):
         model = FakeModel(self.config)
         self.seqs = model.seqs
+        self.trace_contexts = model.trace_contexts
         async for plan in request_iterator:
             await self.gate.wait()
             if self.config.step_delay:
@@ -126,6 +128,8 @@ class FakeModel:
         self.seqs: dict[str, _Seq] = {}
         # kv[block_id][slot] = the token id whose K/V the slot holds.
         self.kv: dict[int, dict[int, int]] = {}
+        # The trace_context each request arrived with (last NewRequest).
+        self.trace_contexts: dict[str, dict[str, str]] = {}
 
     def step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
         """Run one plan; raises AssertionError on any protocol violation."""
@@ -145,6 +149,7 @@ class FakeModel:
                 got = kv.get(seq.block_ids[pos // bs], {}).get(pos % bs)
                 assert got == seq.token_ids[pos], f"{new.request_id}: stale prefix block at position {pos}"
             seqs[new.request_id] = seq
+            self.trace_contexts[new.request_id] = dict(new.trace_context)
             scheduled.append((new.request_id, new.num_scheduled_tokens))
         for running in plan.running:
             assert running.request_id in seqs, f"running request {running.request_id!r} is not held"
