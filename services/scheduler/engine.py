@@ -147,7 +147,7 @@ class Engine:
     async def _run(self) -> None:
         while True:
             session = await connect(self.config)
-            reason = "the worker connection was lost"
+            reason = "the worker connection was lost"  # replaced below by what actually happened
             try:
                 self._begin(session)
                 await self._drive(session)
@@ -155,9 +155,11 @@ class Engine:
                 reason = "the scheduler is shutting down"
                 raise
             except (grpc.aio.AioRpcError, WorkerLost, WorkerProtocolError) as e:
-                log.warning("worker stream ended: %s", _describe(e))
-            except Exception:
-                log.exception("step loop failed")
+                reason = f"the worker stream failed ({_describe(e)})"
+                log.warning("%s; dialing the worker again", reason)
+            except Exception as e:
+                reason = f"the scheduler's step loop failed ({type(e).__name__}: {e})"
+                log.exception("step loop failed; dialing the worker again")
             finally:
                 await self._end(session, reason)
 

@@ -15,7 +15,11 @@ log = logging.getLogger(__name__)
 
 
 async def serve(config: Config) -> int:
-    server = await start(config, serve_metrics=True)
+    try:
+        server = await start(config, serve_metrics=True)
+    except OSError as e:  # a port in use
+        log.error("cannot start the scheduler: %s", e)
+        return 1
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -43,9 +43,9 @@ async def start(config: Config, serve_metrics: bool = False) -> SchedulerServer:
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine), server)
     add_reflection(server, [SERVICE_NAME])
     port = bind(server, config.network.host, config.network.scheduler_port)
-    await server.start()
     if serve_metrics:
         metrics.serve(config.network.scheduler_metrics_port, config.network.host)
+    await server.start()
     engine.start()
     log.info("scheduler serving on %s:%d, worker at %s", config.network.host, port, config.network.worker_addr)
     return SchedulerServer(server, port, engine, health, metrics)

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -40,6 +41,8 @@ def test_the_cli_serves_until_sigterm_and_retries_an_absent_worker():
             assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING  # no worker yet
             stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest())
             assert not stats.worker_ready
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert "kvgrid_num_requests_waiting" in metrics and "kvgrid_kv_cache_usage_ratio" in metrics
         time.sleep(0.5)  # a few dial attempts
         assert proc.poll() is None  # an absent worker is no reason to exit
         proc.send_signal(signal.SIGTERM)

@@ -22,6 +22,10 @@ LENGTH = common_pb2.FINISH_REASON_LENGTH
 ABORT = common_pb2.FINISH_REASON_ABORT
 
 
+def _metric(s, name: str) -> float:
+    return s.scheduler.metrics.registry.get_sample_value(name, {"model": "SmolLM2-135M-Instruct"})
+
+
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 90))
 
@@ -54,6 +58,11 @@ def test_concurrent_submits_finish_with_the_right_tokens():
             assert stats.num_cached_free_blocks > 0
             assert stats.prefix_cache_queries == sum(len(p) for p in prompts)
             assert stats.prefix_cache_hits >= len(system)  # later requests found the shared system prompt
+            assert _metric(s, "kvgrid_prefix_cache_queries_total") == stats.prefix_cache_queries
+            assert _metric(s, "kvgrid_prefix_cache_hits_total") == stats.prefix_cache_hits
+            assert _metric(s, "kvgrid_kv_blocks_total") == 64
+            assert _metric(s, "kvgrid_num_requests_running") == 0 and _metric(s, "kvgrid_kv_cache_usage_ratio") == 0
+            assert _metric(s, "kvgrid_step_batch_tokens_count") == stats.num_steps
             assert s.worker.worker.errors == []
 
     run(body())
@@ -72,6 +81,7 @@ def test_a_preempted_request_produces_the_same_tokens():
             stats = await s.stats()
             assert stats.num_preemptions > 0
             assert stats.num_blocks_used == 0
+            assert _metric(s, "kvgrid_num_preemptions_total") == stats.num_preemptions
             assert s.worker.worker.errors == []
 
     run(body())
