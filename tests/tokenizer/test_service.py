@@ -349,3 +349,15 @@ def test_health_follows_the_scheduler(stack):
         stack.loop.loop.call_soon_threadsafe(stack.scheduler_health.set, True)
         wait_until(lambda: health.Check(check, timeout=5).status == health_pb2.HealthCheckResponse.SERVING)
     assert generate(stack, prompt="hi")[-1].finish_reason
+
+
+def test_http_port_answers_only_metrics_and_health(stack):
+    base = f"http://127.0.0.1:{stack.frontend.http_port}"
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f"{base}/v1/completions", timeout=5)
+    assert err.value.code == 404
+    head = urllib.request.urlopen(urllib.request.Request(f"{base}/health", method="HEAD"), timeout=5)
+    assert head.status == 200 and head.read() == b""
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(urllib.request.Request(f"{base}/metrics", data=b"x", method="POST"), timeout=5)
+    assert err.value.code == 405
