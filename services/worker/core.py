@@ -1,0 +1,115 @@
+"""Everything a serving worker holds once ready: the runner and the handshake reply, built from the config."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+from kvgrid.v1 import worker_pb2
+from services.common.config import Config
+from services.common.default_model import resolve_model
+from services.common.metrics import WorkerMetrics
+
+from .engine import LoadedModel, create_runner, load_model, max_model_len, plan_memory
+from .loader import ModelLoadError, eos_token_ids, load_tokenizer, tokenizer_files
+from .memory import MemoryFigures
+from .model_runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerCore:
+    runner: ModelRunner
+    handshake: worker_pb2.HandshakeResponse
+    seed: int | None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.handshake.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.handshake.vocab_size
+
+
+def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: str | None = None) -> WorkerCore:
+    """Load, profile, allocate. Raises ModelLoadError or InsufficientMemory with a one-line reason."""
+    try:
+        model_path = resolve_model(config.model.model)
+    except FileNotFoundError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    loaded = load_model(
+        model_path,
+        dtype=config.model.dtype,
+        device=config.device.device,
+        attention_backend=config.device.attention_backend,
+        load_format=config.load.load_format,
+    )
+    tokenizer = load_tokenizer(loaded.source)
+    max_len = max_model_len(loaded.args, loaded.hf_config, config.model.max_model_len)
+    block_size = config.cache.block_size
+    figures = plan_memory(
+        loaded,
+        block_size=block_size,
+        max_len=max_len,
+        kv_cache_memory=config.cache.kv_cache_memory,
+        gpu_memory_utilization=config.cache.gpu_memory_utilization,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        seed=config.model.seed,
+    )
+    runner = create_runner(loaded, block_size, figures.num_blocks, config.model.seed)
+    log.info(
+        "KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
+        figures.num_blocks,
+        block_size,
+        figures.kv_cache_bytes / 2**20,
+        figures.method,
+    )
+    handshake = worker_pb2.HandshakeResponse(
+        model=config.model.name,
+        architecture=loaded.args.architecture,
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        device=str(loaded.device),
+        block_size=block_size,
+        num_blocks=figures.num_blocks,
+        bytes_per_block=loaded.block_bytes(block_size),
+        max_model_len=max_len,
+        vocab_size=loaded.args.vocab_size,
+        eos_token_ids=eos_token_ids(loaded.source, loaded.hf_config, tokenizer),
+        memory=memory_profile(figures),
+        tokenizer_files=tokenizer_files(tokenizer),
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        worker_id=worker_id or uuid.uuid4().hex,
+        load_seconds=loaded.load_seconds,
+    )
+    if metrics is not None:
+        record_metrics(metrics, loaded, figures)
+    return WorkerCore(runner, handshake, config.model.seed)
+
+
+def memory_profile(f: MemoryFigures) -> worker_pb2.MemoryProfile:
+    return worker_pb2.MemoryProfile(
+        method=f.method,
+        total_bytes=f.total_bytes,
+        weights_bytes=f.weights_bytes,
+        peak_activation_bytes=f.peak_activation_bytes,
+        non_torch_bytes=f.non_torch_bytes,
+        kv_cache_bytes=f.kv_cache_bytes,
+        gpu_memory_utilization=f.gpu_memory_utilization,
+    )
+
+
+def record_metrics(metrics: WorkerMetrics, loaded: LoadedModel, f: MemoryFigures) -> None:
+    metrics.num_blocks.set(f.num_blocks)
+    metrics.model_load_seconds.set(loaded.load_seconds)
+    metrics.set_profile(
+        total=f.total_bytes,
+        weights=f.weights_bytes,
+        peak_activation=f.peak_activation_bytes,
+        non_torch=f.non_torch_bytes,
+        kv_cache=f.kv_cache_bytes,
+    )

@@ -1,0 +1,62 @@
+"""Starting the worker's gRPC server in-process (main, and other suites' tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from kvgrid.v1 import worker_pb2, worker_pb2_grpc
+from services.common.config import Config
+from services.common.metrics import WorkerMetrics
+from services.common.server import Health, add_reflection, bind, new_server
+
+from .core import WorkerCore, build_core
+from .service import WorkerServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+@dataclass(slots=True)
+class RunningWorker:
+    server: grpc.aio.Server
+    port: int
+    servicer: WorkerServicer
+    health: Health
+    core: WorkerCore
+
+    async def stop(self, grace: float | None = 5.0) -> None:
+        self.health.set(False)
+        await self.server.stop(grace)
+        self.servicer.shutdown()
+
+
+async def start_worker(
+    config: Config, port: int = 0, metrics: WorkerMetrics | None = None, core: WorkerCore | None = None
+) -> RunningWorker:
+    """Serve on ``config.network.host:port`` (0: a free port). Health is NOT_SERVING while the model
+    loads and SERVING once the KV cache is allocated. Pass ``core`` to reuse a loaded worker.
+    Raises ModelLoadError / InsufficientMemory after stopping the server."""
+    server = new_server()
+    servicer = WorkerServicer(metrics)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health = Health(server, [SERVICE_NAME])
+    add_reflection(server, [SERVICE_NAME])
+    bound = bind(server, config.network.host, port)
+    await server.start()
+    log.info("worker gRPC on %s:%d (loading)", config.network.host, bound)
+    try:
+        if core is None:
+            core = await asyncio.to_thread(build_core, config, metrics)
+    except BaseException:
+        await server.stop(None)
+        servicer.shutdown()
+        raise
+    servicer.attach(core)
+    health.set(True)
+    log.info("worker ready: %d KV blocks", core.handshake.num_blocks)
+    return RunningWorker(server, bound, servicer, health, core)

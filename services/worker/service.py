@@ -1,0 +1,113 @@
+"""The kvgrid.v1.Worker servicer: thin; plans go to the request states and the runner."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from opentelemetry import trace
+
+from kvgrid.v1 import worker_pb2, worker_pb2_grpc
+from services.common import tracing
+from services.common.errors import Unavailable, grpc_errors
+from services.common.metrics import WorkerMetrics
+
+from .core import WorkerCore
+from .model_runner import SampledRow
+from .sampling_params import RequestSampling
+from .state import RequestStates
+
+log = logging.getLogger(__name__)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, metrics: WorkerMetrics | None = None):
+        self.core: WorkerCore | None = None
+        self.metrics = metrics
+        # One thread runs every step: streams share the device and the KV cache, so steps never overlap.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-step")
+
+    def attach(self, core: WorkerCore) -> None:
+        self.core = core
+
+    def _ready(self) -> WorkerCore:
+        if self.core is None:
+            raise Unavailable("the worker is still loading the model")
+        return self.core
+
+    @grpc_errors
+    async def Handshake(self, request, context):
+        core = self._ready()
+        log.info("handshake from scheduler %r", request.scheduler_id or "?")
+        return core.handshake
+
+    @grpc_errors
+    async def Execute(self, request_iterator, context):
+        core = self._ready()
+        seed = core.seed
+
+        def make_sampling(params, prompt, outputs) -> RequestSampling:
+            return RequestSampling.create(params, prompt, outputs, default_seed=seed)
+
+        states = RequestStates(
+            core.runner.block_size, core.runner.num_blocks, core.vocab_size, core.max_model_len, make_sampling
+        )
+        spans = _RequestSpans()
+        loop = asyncio.get_running_loop()
+        log.info("execute stream opened")
+        try:
+            async for plan in request_iterator:
+                started = time.perf_counter()
+                spans.end(plan.finished_ids)
+                scheduled = states.apply(plan)
+                spans.start(plan.new_requests)
+                rows = await loop.run_in_executor(self._executor, core.runner.execute, scheduled)
+                seconds = time.perf_counter() - started
+                if self.metrics is not None:
+                    self.metrics.step_seconds.observe(seconds)
+                yield worker_pb2.StepResult(
+                    step_id=plan.step_id, sampled=[_sampled(row) for row in rows], execute_seconds=seconds
+                )
+        finally:
+            spans.end(list(spans.open))
+            log.info("execute stream closed with %d requests in flight", len(states.requests))
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _sampled(row: SampledRow) -> worker_pb2.SampledToken:
+    out = worker_pb2.SampledToken(request_id=row.request.request_id, token_id=row.token_id)
+    if row.logprob is not None:
+        out.logprob.CopyFrom(row.logprob)
+    return out
+
+
+class _RequestSpans:
+    """One span per request for its life on this stream, child of the scheduler's request span."""
+
+    def __init__(self):
+        self.open: dict[str, trace.Span] = {}
+
+    def start(self, new_requests) -> None:
+        tracer = tracing.tracer()
+        for new in new_requests:
+            self.end([new.request_id])
+            span = tracer.start_span(
+                "worker.request",
+                context=tracing.extract(new.trace_context),
+                attributes={
+                    "kvgrid.request_id": new.request_id,
+                    "kvgrid.num_prompt_tokens": new.num_prompt_tokens,
+                    "kvgrid.num_computed_tokens": new.num_computed_tokens,
+                },
+            )
+            self.open[new.request_id] = span
+
+    def end(self, request_ids) -> None:
+        for request_id in request_ids:
+            span = self.open.pop(request_id, None)
+            if span is not None:
+                span.end()

@@ -1,0 +1,109 @@
+"""Greedy generation through the worker's own gRPC API equals transformers on the default SmolLM2 model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvgrid.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.server import insecure_channel
+from services.worker.core import build_core
+from services.worker.server import start_worker
+from tests.worker.driver import Driver
+from tests.worker.smollm import hf_greedy, hf_reference, prompt_ids, worker_config
+
+pytestmark = pytest.mark.timeout(600)
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return hf_reference(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def core_fp32():
+    return build_core(worker_config("float32"))
+
+
+async def _generate(config, core, prompts, chunk, sampling=None, extra=None):
+    worker = await start_worker(config, 0, core=core)
+    try:
+        async with insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            hs = await stub.Handshake(worker_pb2.HandshakeRequest(scheduler_id="test"))
+            driver = Driver(stub.Execute(), hs.block_size, hs.num_blocks)
+            reqs = await driver.generate(prompts, MAX_TOKENS, chunk=chunk, sampling=sampling)
+            if extra is not None:
+                await extra(stub, driver, reqs)
+            driver.call.cancel()
+            return hs, reqs
+    finally:
+        await worker.stop(None)
+
+
+def test_handshake(core_fp32, reference):
+    _, tokenizer = reference
+    hs = core_fp32.handshake
+    assert (hs.architecture, hs.dtype, hs.device, hs.block_size) == ("LlamaForCausalLM", "float32", "cpu", 16)
+    assert hs.model == "SmolLM2-135M-Instruct" and hs.vocab_size == 49152 and hs.max_model_len == 1024
+    assert hs.bytes_per_block == 2 * 30 * 16 * 3 * 64 * 4
+    assert hs.num_blocks == 64 * 2**20 // hs.bytes_per_block
+    assert hs.memory.method == "cpu-configured" and hs.memory.kv_cache_bytes == hs.num_blocks * hs.bytes_per_block
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in hs.eos_token_ids
+    assert "tokenizer.json" in hs.tokenizer_files and "tokenizer_config.json" in hs.tokenizer_files
+    assert len(hs.worker_id) == 32 and hs.load_seconds > 0
+
+
+def test_greedy_float32_equals_transformers(core_fp32, reference):
+    model, tokenizer = reference
+    prompts = prompt_ids(tokenizer)
+    assert len(prompts) >= 4 and max(len(p) for p in prompts) > 16
+    # Prefill in chunks of 7 tokens: chunks that do not finish a prompt sample nothing.
+    _, reqs = asyncio.run(_generate(worker_config("float32"), core_fp32, prompts, chunk=7))
+    for prompt, req in zip(prompts, reqs, strict=True):
+        expected, _ = hf_greedy(model, prompt, MAX_TOKENS)
+        assert req.outputs == expected, tokenizer.decode(prompt)
+
+
+def test_second_stream_starts_empty(core_fp32, reference):
+    _, tokenizer = reference
+
+    async def reconnect(stub, driver, reqs):
+        call = stub.Execute()
+        await call.write(worker_pb2.StepPlan(step_id=1, running=[worker_pb2.RunningRequest(request_id=reqs[0].rid)]))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call.read()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not known" in err.value.details()
+
+    prompt = prompt_ids(tokenizer)[:1]
+    asyncio.run(_generate(worker_config("float32"), core_fp32, prompt, chunk=64, extra=reconnect))
+
+
+@pytest.mark.slow  # bfloat16 matmuls are emulated on CPUs without AVX512-BF16: minutes on 2 cores
+def test_greedy_bfloat16_within_top5(reference):
+    """Where bf16 rounding flips a near-tie, each side's token is in the other's top 5 (then they diverge)."""
+    model, tokenizer = reference
+    hf_bf16 = model.to(torch.bfloat16)
+    prompts = prompt_ids(tokenizer)
+    config = worker_config("bfloat16")
+    core = build_core(config)
+    assert core.handshake.dtype == "bfloat16"
+    sampling = common_pb2.SamplingParams(logprobs=5)
+    _, reqs = asyncio.run(_generate(config, core, prompts, chunk=64, sampling=sampling))
+    for prompt, req in zip(prompts, reqs, strict=True):
+        expected, hf_logits = hf_greedy(hf_bf16, prompt, MAX_TOKENS)
+        for pos, (ours, theirs) in enumerate(zip(req.outputs, expected, strict=True)):
+            if ours == theirs:
+                continue
+            our_top5 = [t.token_id for t in req.logprobs[pos].top]
+            their_top5 = hf_logits[pos].topk(5).indices.tolist()
+            assert theirs in our_top5 and ours in their_top5, (pos, ours, theirs)
+            break
