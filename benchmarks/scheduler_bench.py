@@ -7,22 +7,33 @@ runs their prefills, then times steady-state decode steps: ``schedule`` and
 ``update_from_output`` (the scheduler's own work per step, the target is < 2 ms),
 and separately ``plan_to_proto`` (building the StepPlan message for the wire).
 Prints a table and writes JSON to ``benchmarks/results/scheduler_bench.json``.
+
+With ``--service`` it also times the whole step loop of the service (scheduler over
+gRPC, a worker that computes nothing, every token streamed to Submit callers in
+another process): milliseconds per step and tokens per second, an upper bound on
+what the scheduler service adds to each decode step.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import pathlib
 import platform
 import statistics
+import sys
 import time
 
+from kvgrid.v1 import worker_pb2, worker_pb2_grpc
+from services.common.config import CacheConfig, Config, ModelConfig, NetworkConfig, SchedulerConfig
+from services.common.server import bind, new_server
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.convert import plan_to_proto
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, StopConditions
 from services.scheduler.scheduler import Scheduler, SchedulerLimits
+from services.scheduler.service import start
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "scheduler_bench.json"
 BLOCK_SIZE = 16
@@ -90,11 +101,99 @@ def run(num_requests: int, budget: int, steps: int, caching: bool) -> dict:
     }
 
 
+class NullWorker(worker_pb2_grpc.WorkerServicer):
+    """A worker that computes nothing: it tracks how many tokens each request lacks and samples token 5."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+
+    async def Handshake(self, request, context):
+        return worker_pb2.HandshakeResponse(
+            model="bench", block_size=BLOCK_SIZE, num_blocks=self.num_blocks, max_model_len=1 << 20, vocab_size=32000
+        )
+
+    async def Execute(self, request_iterator, context):
+        lacking: dict[str, int] = {}  # tokens known to the worker but not computed yet
+        async for plan in request_iterator:
+            for request_id in plan.finished_ids:
+                lacking.pop(request_id, None)
+            work = [
+                (n.request_id, len(n.token_ids) - n.num_computed_tokens, n.num_scheduled_tokens)
+                for n in plan.new_requests
+            ]
+            work += [(r.request_id, lacking[r.request_id], r.num_scheduled_tokens) for r in plan.running]
+            result = worker_pb2.StepResult(step_id=plan.step_id)
+            for request_id, lack, num_scheduled in work:
+                lack -= num_scheduled
+                if lack == 0:
+                    item = result.sampled.add()
+                    item.request_id, item.token_id = request_id, 5
+                    lack = 1  # the sampled token
+                lacking[request_id] = lack
+            yield result
+
+
+# The Submit callers run in a child process, as the tokenizer frontend does, so only the service is timed here.
+CLIENT = """
+import asyncio, sys, time
+from kvgrid.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.common.server import insecure_channel
+
+async def main(port, num_requests, max_tokens, prompt):
+    stub = scheduler_pb2_grpc.SchedulerStub(insecure_channel(f"127.0.0.1:{port}"))
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    async def one(i):
+        request = scheduler_pb2.SubmitRequest(request_id=f"req-{i}", prompt_token_ids=prompt + [i], sampling=sampling)
+        return sum([len(r.token_ids) async for r in stub.Submit(request)])
+    started = time.perf_counter()
+    num_tokens = sum(await asyncio.gather(*(one(i) for i in range(num_requests))))
+    print(num_tokens, time.perf_counter() - started)
+
+asyncio.run(main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), list(range(1000, 1000 + int(sys.argv[4])))))
+"""
+
+
+async def run_service(num_requests: int, budget: int, max_tokens: int) -> dict:
+    num_blocks = num_requests * -(-(PROMPT_LEN + max_tokens + 16) // BLOCK_SIZE)
+    worker = new_server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(NullWorker(num_blocks), worker)
+    worker_port = bind(worker, "127.0.0.1", 0)
+    await worker.start()
+    config = Config(
+        model=ModelConfig(),
+        cache=CacheConfig(block_size=BLOCK_SIZE),
+        scheduler=SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=budget),
+        network=NetworkConfig(host="127.0.0.1", scheduler_port=0, worker_addr=f"127.0.0.1:{worker_port}"),
+    )
+    server = await start(config)
+    while not server.engine.ready:
+        await asyncio.sleep(0.01)
+    args = [str(server.port), str(num_requests), str(max_tokens), str(PROMPT_LEN - 1)]
+    client = await asyncio.create_subprocess_exec(sys.executable, "-c", CLIENT, *args, stdout=asyncio.subprocess.PIPE)
+    stdout, _ = await client.communicate()
+    num_tokens, seconds = stdout.split()
+    num_tokens, seconds = int(num_tokens), float(seconds)
+    num_steps = server.engine.stats().num_steps
+    await server.stop(0)
+    await worker.stop(0)
+    assert num_tokens == num_requests * max_tokens
+    return {
+        "requests": num_requests,
+        "budget": budget,
+        "max_tokens": max_tokens,
+        "steps": num_steps,
+        "ms_per_step": seconds / num_steps * 1e3,
+        "tokens_per_second": num_tokens / seconds,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--service", action="store_true", help="also time the service's step loop over gRPC")
+    parser.add_argument("--max-tokens", type=int, default=200, help="tokens per request in the --service run")
     args = parser.parse_args(argv)
     rows = [run(args.requests, args.budget, args.steps, caching) for caching in (True, False)]
     print(f"scheduler decode step, {args.requests} running requests, budget {args.budget}, {args.steps} steps")
@@ -108,8 +207,16 @@ def main(argv: list[str] | None = None) -> int:
         ]
         print(" | ".join(f"{c:>12}" for c in cells))
     print("target: step mean < 2 ms (schedule + update_from_output)")
+    report = {"python": platform.python_version(), "results": rows}
+    if args.service:
+        service = asyncio.run(run_service(args.requests, args.budget, args.max_tokens))
+        print(
+            f"service step loop, {args.requests} streams x {args.max_tokens} tokens, null worker: "
+            f"{service['ms_per_step']:.2f} ms per step, {service['tokens_per_second']:.0f} tokens/s"
+        )
+        report["service"] = service
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"python": platform.python_version(), "results": rows}, indent=2) + "\n")
+    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {RESULTS}")
     return 0
 
