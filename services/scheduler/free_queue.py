@@ -70,9 +70,6 @@ class FreeBlockQueue:
         self._head.next = block
         self.num_free += 1
 
-    def __contains__(self, block: KVCacheBlock) -> bool:
-        return block.prev is not None
-
     def __iter__(self) -> Iterator[KVCacheBlock]:
         block = self._head.next
         while block is not self._tail:

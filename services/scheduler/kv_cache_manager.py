@@ -81,7 +81,7 @@ class KVCacheManager:
         end = request.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
         if not computed_blocks and end <= held * bs:
             return True  # the decode fast path: the last block still has room
-        num_needed = -(-end // bs) - held - len(computed_blocks)
+        num_needed = cdiv(end, bs) - held - len(computed_blocks)
         # Hit blocks that sit in the free queue stop being allocatable once taken.
         num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_revived:

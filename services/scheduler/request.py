@@ -19,13 +19,6 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def is_finished(self) -> bool:
-        return self in _FINISHED
-
-
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
-
 
 @dataclass(slots=True)
 class StopConditions:
@@ -78,10 +71,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - len(self.prompt_token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids) :]
 
     def sort_key(self) -> tuple[int, int]:
         """Order under the priority policy: lower priority value first, then arrival."""
