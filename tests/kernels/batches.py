@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+# Native kernels on a CUDA machine; elsewhere the interpreter, which runs on CPU tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @dataclass(slots=True)
 class PagedBatch:
@@ -38,7 +41,8 @@ def random_batch(
     seed: int = 0,
     spare_blocks: int = 5,
 ) -> PagedBatch:
-    """Each request gets distinct blocks drawn at random from the pool (so order in memory is scrambled)."""
+    """Each request gets distinct blocks drawn at random from the pool (so order in memory is scrambled).
+    Tensors live on DEVICE."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
@@ -50,11 +54,11 @@ def random_batch(
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     q_lens = [q_len for q_len, _ in lens]
     return PagedBatch(
-        query=torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype),
-        k_cache=torch.randn(cache_shape, generator=gen).to(dtype),
-        v_cache=torch.randn(cache_shape, generator=gen).to(dtype),
-        block_tables=block_tables,
-        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32),
-        seq_lens=torch.tensor([seq_len for _, seq_len in lens], dtype=torch.int32),
+        query=torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype),
+        k_cache=torch.randn(cache_shape, generator=gen).to(DEVICE, dtype),
+        v_cache=torch.randn(cache_shape, generator=gen).to(DEVICE, dtype),
+        block_tables=block_tables.to(DEVICE),
+        query_start_loc=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([seq_len for _, seq_len in lens], dtype=torch.int32, device=DEVICE),
         max_query_len=max(q_lens),
     )

@@ -8,7 +8,7 @@ import torch
 from kernels.kv_cache_write import kv_cache_write
 from kernels.reference import kv_cache_write_reference
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from .batches import DEVICE
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -35,10 +35,10 @@ def test_scatter_matches_reference(dtype, num_kv_heads, head_dim, block_size):
 
 def test_strided_key_value_from_fused_qkv():
     """Keys and values sliced from a fused QKV projection are not contiguous over tokens."""
-    qkv = torch.randn(9, 3 + 1 + 1, 64)
+    qkv = torch.randn(9, 3 + 1 + 1, 64, device=DEVICE)
     key, value = qkv[:, 3:4], qkv[:, 4:5]
-    k_cache, v_cache = torch.zeros(2, 16, 1, 64), torch.zeros(2, 16, 1, 64)
-    slot_mapping = torch.arange(20, 29)
+    k_cache, v_cache = torch.zeros(2, 16, 1, 64, device=DEVICE), torch.zeros(2, 16, 1, 64, device=DEVICE)
+    slot_mapping = torch.arange(20, 29, device=DEVICE)
     kv_cache_write(key, value, k_cache, v_cache, slot_mapping)
     assert torch.equal(k_cache.view(-1, 1, 64)[20:29], key)
     assert torch.equal(v_cache.view(-1, 1, 64)[20:29], value)

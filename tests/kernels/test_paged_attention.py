@@ -13,20 +13,18 @@ import torch
 from kernels.paged_attention import paged_attention, paged_attention_kernel
 from kernels.reference import paged_attention_reference
 
-from .batches import DECODES, MIXED, random_batch
+from .batches import DECODES, DEVICE, MIXED, random_batch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def _check(batch, dtype: torch.dtype, num_splits: int = 1) -> None:
     scale = batch.query.shape[-1] ** -0.5
-    args = tuple(t.to(DEVICE) for t in batch.args())
-    out = paged_attention(*args, scale, batch.max_query_len, num_splits=num_splits)
+    out = paged_attention(*batch.args(), scale, batch.max_query_len, num_splits=num_splits)
     expected = paged_attention_reference(*batch.args(), scale, batch.max_query_len)
     assert out.dtype == dtype and out.shape == batch.query.shape
     tol = TOLERANCE[dtype]
-    torch.testing.assert_close(out.cpu().float(), expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
 def test_interpreter_is_active():
@@ -101,7 +99,7 @@ def test_strided_query_and_out_buffer():
     """A query sliced from a fused QKV projection (non-contiguous rows) and a caller-provided output."""
     batch = random_batch(MIXED, 3, 1, 64, 16, torch.float32, seed=11)
     num_tokens = batch.query.shape[0]
-    qkv = torch.randn(num_tokens, 5, 64)  # 3 query heads, then 1 key head, 1 value head
+    qkv = torch.randn(num_tokens, 5, 64, device=DEVICE)  # 3 query heads, then 1 key head, 1 value head
     qkv[:, :3] = batch.query
     query = qkv[:, :3]
     assert not query.is_contiguous()
@@ -129,17 +127,17 @@ def test_block_offsets_past_int32():
         v_cache = torch.empty_like(k_cache)
     except (RuntimeError, MemoryError) as exc:  # a host without overcommit
         pytest.skip(f"cannot reserve the address space: {exc}")
-    blocks = torch.tensor([[num_blocks - 1, 3, num_blocks - 2]], dtype=torch.int32)
+    blocks = torch.tensor([[num_blocks - 1, 3, num_blocks - 2]], dtype=torch.int32, device=DEVICE)
     gen = torch.Generator().manual_seed(0)
-    k_cache[blocks[0].long()] = torch.randn(3, block_size, 1, head_dim, generator=gen).half().to(DEVICE)
-    v_cache[blocks[0].long()] = torch.randn(3, block_size, 1, head_dim, generator=gen).half().to(DEVICE)
-    query = torch.randn(6, 2, head_dim, generator=gen).half()
-    query_start_loc = torch.tensor([0, 6], dtype=torch.int32)
-    seq_lens = torch.tensor([41], dtype=torch.int32)
-    args = tuple(t.to(DEVICE) for t in (query, k_cache, v_cache, blocks, query_start_loc, seq_lens))
+    k_cache[blocks[0].long()] = torch.randn(3, block_size, 1, head_dim, generator=gen).to(DEVICE, torch.float16)
+    v_cache[blocks[0].long()] = torch.randn(3, block_size, 1, head_dim, generator=gen).to(DEVICE, torch.float16)
+    query = torch.randn(6, 2, head_dim, generator=gen).to(DEVICE, torch.float16)
+    query_start_loc = torch.tensor([0, 6], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([41], dtype=torch.int32, device=DEVICE)
+    args = (query, k_cache, v_cache, blocks, query_start_loc, seq_lens)
     out = paged_attention(*args, 0.125, 6)
     expected = paged_attention_reference(*args, 0.125, 6)
-    torch.testing.assert_close(out.cpu().float(), expected.float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.cuda

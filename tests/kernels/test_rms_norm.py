@@ -8,7 +8,8 @@ import torch
 from kernels.reference import rms_norm_reference
 from kernels.rms_norm import rms_norm
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from .batches import DEVICE
+
 # bfloat16 allows two units in the last place: the interpreter rounds float32 -> bfloat16 toward zero
 # where CUDA and torch round to nearest even, and the kernel rounds twice (normed, then the product).
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2 * 2**-7}

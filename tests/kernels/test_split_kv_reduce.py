@@ -8,7 +8,7 @@ import torch
 from kernels.reference import split_kv_reduce_reference
 from kernels.split_kv_reduce import split_kv_reduce
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from .batches import DEVICE
 
 
 @pytest.mark.parametrize(("num_splits", "head_dim", "dtype"), [(2, 64, torch.float32), (5, 80, torch.float16)])

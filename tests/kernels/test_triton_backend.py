@@ -13,17 +13,19 @@ from kernels.reference import kv_cache_write_reference, paged_attention_referenc
 from services.worker.attention import AttentionMetadata, get_backend
 from services.worker.attention.triton_backend import TritonAttentionBackend, TritonUnavailable
 
-from .batches import MIXED, random_batch
+from .batches import DEVICE, MIXED, random_batch
 
 
 def test_auto_picks_triton_on_cuda_only():
     assert get_backend("auto", "cpu").name == "torch"
-    assert isinstance(get_backend("triton", "cpu"), TritonAttentionBackend)  # interpreter: CPU tensors
     if torch.cuda.is_available():
         assert isinstance(get_backend("auto", "cuda:0"), TritonAttentionBackend)
+        with pytest.raises(TritonUnavailable, match="--attention-backend torch"):
+            get_backend("triton", "cpu")  # native kernels cannot take CPU tensors
     else:  # auto chose triton for CUDA, which refuses at construction: these kernels are interpreted
         with pytest.raises(TritonUnavailable, match="interpreter"):
             get_backend("auto", "cuda:0")
+        assert isinstance(get_backend("triton", "cpu"), TritonAttentionBackend)
 
 
 def test_refuses_devices_it_cannot_run_on():
@@ -52,7 +54,7 @@ def _metadata(batch) -> AttentionMetadata:
         query_start_loc=batch.query_start_loc,
         seq_lens=batch.seq_lens,
         block_tables=batch.block_tables,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
         max_query_len=batch.max_query_len,
         max_seq_len=max(seq_lens),
         query_lens_cpu=[b - a for a, b in zip(starts, starts[1:], strict=False)],
@@ -64,8 +66,8 @@ def test_write_then_attend_matches_references():
     batch = random_batch(MIXED, 6, 2, 64, 16, torch.float32, seed=5)
     meta = _metadata(batch)
     gen = torch.Generator().manual_seed(6)
-    key = torch.randn(batch.query.shape[0], 2, 64, generator=gen)
-    value = torch.randn(batch.query.shape[0], 2, 64, generator=gen)
+    key = torch.randn(batch.query.shape[0], 2, 64, generator=gen).to(DEVICE)
+    value = torch.randn(batch.query.shape[0], 2, 64, generator=gen).to(DEVICE)
     expected_k, expected_v = batch.k_cache.clone(), batch.v_cache.clone()
     kv_cache_write_reference(key, value, expected_k, expected_v, meta.slot_mapping)
 
@@ -107,7 +109,7 @@ def test_greedy_tokens_equal_torch_backend(tmp_path):
     prompts = [torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19, 33)]
     outputs = {}
     for name in ("torch", "triton"):
-        loaded = load_model(path, dtype="float32", device="cpu", attention_backend=name)
+        loaded = load_model(path, dtype="float32", device=DEVICE, attention_backend=name)
         assert loaded.model.layers[0].self_attn.backend.name == name
         runner = create_runner(loaded, block_size=16, num_blocks=24)
         outputs[name] = _generate(runner, prompts, arrivals=[0, 1, 3], num_new=6, chunk=8)
