@@ -1,4 +1,7 @@
-"""`kvgrid serve` with its defaults (bfloat16 on CPU), the path `make serve` runs, and the shell clients."""
+"""`kvgrid serve` as `make serve` runs it (ports and sizes overridden) in bfloat16, and the shell clients.
+
+`--dtype auto` is bfloat16 only on CPUs with native bf16 (float32 elsewhere), so the dtype is explicit.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def default_stack(tmp_path_factory, hf):
-    stack = Stack(tmp_path_factory.mktemp("bf16") / "serve.log", ["--kv-cache-memory", "256MiB"]).start()
+    stack = Stack(tmp_path_factory.mktemp("bf16") / "serve.log", ["--dtype", "bfloat16", "--kv-cache-memory", "256MiB"]).start()
     try:
         yield stack.wait_ready()
     finally:
