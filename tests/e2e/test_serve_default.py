@@ -28,7 +28,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def default_stack(tmp_path_factory, hf):
-    stack = Stack(tmp_path_factory.mktemp("bf16") / "serve.log", ["--dtype", "bfloat16", "--kv-cache-memory", "256MiB"]).start()
+    args = ["--dtype", "bfloat16", "--kv-cache-memory", "256MiB"]
+    stack = Stack(tmp_path_factory.mktemp("bf16") / "serve.log", args).start()
     try:
         yield stack.wait_ready()
     finally:
