@@ -1,4 +1,4 @@
-"""The batched sampler on random logits: greedy, filters, penalties, seeds, distribution, logprobs."""
+"""The batched sampler on random logits: greedy, min-p / top-k / top-p, sampled distributions, logprobs."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import torch
 
 from kvgrid.v1 import common_pb2
 from services.worker import sampling_filters
-from services.worker.penalties import apply_penalties, gather_penalty_state, penalty_params
 from services.worker.sampling import RequestSampling, Sampler
-from services.worker.sampling_params import PENDING_FLUSH_LIMIT
 
 CPU = torch.device("cpu")
 
@@ -260,162 +258,6 @@ def test_filtered_distribution_matches_a_slow_reference():
                 assert abs(o - p) <= 4.5 * math.sqrt(p * (1 - p) / draws) + 1e-3, case
 
 
-# --- seeds ---
-
-
-def step_logits(step: int, vocab: int = 97) -> torch.Tensor:
-    """The (fixed) logits a request sees at one step, as if from the model."""
-    return torch.randn(vocab, generator=torch.Generator().manual_seed(1000 + step)) * 2.0
-
-
-def companion_logits(step: int, rows: int, vocab: int = 97) -> torch.Tensor:
-    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(5000 + step)) * 2.0
-
-
-def run_seeded(
-    sampler: Sampler, fields: dict, steps: range, companions: int, position: int, outputs: list[int]
-) -> list[int]:
-    """Generate len(steps) tokens for one seeded request, at batch row ``position`` among fresh companions."""
-    me = RequestSampling.create(params(**fields), [5, 6, 7], outputs)
-    produced = []
-    companion_kinds = [dict(temperature=1.0), dict(), dict(temperature=0.7, seed=99), dict(top_p=0.5, temperature=1.0)]
-    for step in steps:
-        others = [request(**companion_kinds[i % len(companion_kinds)]) for i in range(companions)]
-        rows = companion_logits(step, companions)
-        logits = torch.cat([rows[:position], step_logits(step).unsqueeze(0), rows[position:]]).to(sampler.device)
-        token = sampler(logits, others[:position] + [me] + others[position:]).token_ids[position]
-        me.append(token)
-        produced.append(token)
-    return produced
-
-
-SEEDED = dict(temperature=1.0, top_p=0.95, seed=1234, frequency_penalty=0.3)
-
-
-def test_same_seed_same_tokens_across_runs():
-    first = run_seeded(Sampler(97, CPU), SEEDED, range(12), companions=0, position=0, outputs=[])
-    again = run_seeded(Sampler(97, CPU), SEEDED, range(12), companions=0, position=0, outputs=[])
-    other_seed = run_seeded(Sampler(97, CPU), {**SEEDED, "seed": 4321}, range(12), 0, 0, [])
-    assert first == again
-    assert first != other_seed
-
-
-@pytest.mark.parametrize(("companions", "position"), [(1, 0), (1, 1), (3, 2), (7, 5)])
-def test_seeded_tokens_do_not_depend_on_batch_companions(companions, position):
-    alone = run_seeded(Sampler(97, CPU, seed=1), SEEDED, range(12), companions=0, position=0, outputs=[])
-    batched = run_seeded(Sampler(97, CPU, seed=2), SEEDED, range(12), companions, position, outputs=[])
-    assert batched == alone
-
-
-def test_seeded_tokens_survive_preemption():
-    straight = run_seeded(Sampler(97, CPU), SEEDED, range(12), companions=2, position=1, outputs=[])
-    # Preempted after 5 tokens: recreated with its outputs, it continues on a fresh batch layout.
-    before = run_seeded(Sampler(97, CPU), SEEDED, range(5), companions=1, position=0, outputs=[])
-    after = run_seeded(Sampler(97, CPU), SEEDED, range(5, 12), companions=3, position=3, outputs=before)
-    assert before + after == straight
-
-
-def test_unseeded_requests_follow_the_worker_seed():
-    logits = torch.randn(6, 97, generator=torch.Generator().manual_seed(11))
-
-    def run(sampler_seed, default_seed):
-        sampler = Sampler(97, CPU, seed=sampler_seed)
-        reqs = [RequestSampling.create(params(temperature=1.0), [], [], default_seed=default_seed) for _ in range(6)]
-        return [sampler(logits, reqs).token_ids for _ in range(5)]
-
-    assert run(7, None) == run(7, None)
-    assert run(None, 7) == run(None, 7) == run(7, None)
-    assert run(None, 7) != run(None, 8)
-
-
-# --- penalties ---
-
-
-def reference_penalties(logits: list[float], prompt: list[int], outputs: list[int], rep, freq, pres) -> list[float]:
-    out = list(logits)
-    for token in set(prompt) | set(outputs):
-        out[token] = out[token] / rep if out[token] > 0 else out[token] * rep
-    for token in set(outputs):
-        out[token] -= freq * outputs.count(token) + pres
-    return out
-
-
-PENALTY_CASES = [
-    dict(repetition_penalty=1.3),
-    dict(frequency_penalty=0.7),
-    dict(presence_penalty=-0.9),
-    dict(repetition_penalty=0.8, frequency_penalty=-0.4, presence_penalty=1.1),
-    dict(frequency_penalty=2.0, presence_penalty=2.0),
-]
-
-
-def test_penalties_match_the_formula():
-    vocab = 30
-    gen = torch.Generator().manual_seed(12)
-    logits = torch.randn(len(PENALTY_CASES), vocab, generator=gen) * 3
-    reqs, expected = [], []
-    for row, case in enumerate(PENALTY_CASES):
-        prompt = torch.randint(0, vocab, (8,), generator=gen).tolist()
-        outputs = torch.randint(0, vocab, (12,), generator=gen).tolist()
-        reqs.append(request(prompt, outputs, **case))
-        rep = case.get("repetition_penalty", 1.0)
-        freq, pres = case.get("frequency_penalty", 0.0), case.get("presence_penalty", 0.0)
-        expected.append(reference_penalties(logits[row].tolist(), prompt, outputs, rep, freq, pres))
-    counts, prompt_mask = gather_penalty_state(reqs, vocab, CPU)
-    got = apply_penalties(logits.clone(), counts, prompt_mask, penalty_params(reqs, CPU))
-    torch.testing.assert_close(got, torch.tensor(expected))
-
-
-def test_penalised_greedy_rows_take_the_argmax_of_the_penalised_logits():
-    vocab = 20
-    gen = torch.Generator().manual_seed(13)
-    for _ in range(20):
-        logits = torch.randn(3, vocab, generator=gen)
-        prompt = torch.randint(0, vocab, (6,), generator=gen).tolist()
-        outputs = torch.randint(0, vocab, (6,), generator=gen).tolist()
-        cases = [dict(repetition_penalty=2.0), dict(frequency_penalty=1.0), dict(presence_penalty=1.5)]
-        out = Sampler(vocab, CPU)(logits, [request(prompt, outputs, **case) for case in cases])
-        for row, case in enumerate(cases):
-            ref = reference_penalties(
-                logits[row].tolist(),
-                prompt,
-                outputs,
-                case.get("repetition_penalty", 1.0),
-                case.get("frequency_penalty", 0.0),
-                case.get("presence_penalty", 0.0),
-            )
-            assert out.token_ids[row] == max(range(vocab), key=ref.__getitem__)
-
-
-def test_append_updates_counts_across_steps_and_flushes():
-    vocab = 10
-    me = request([1, 2], [3], frequency_penalty=1.0)
-    sampler = Sampler(vocab, CPU)
-    outputs = [3]
-    gen = torch.Generator().manual_seed(14)
-    for step in range(3 * PENDING_FLUSH_LIMIT):
-        if step % 5 == 0:  # a step runs the sampler: pending tokens move into device counts
-            sampler(torch.zeros(1, vocab), [me])
-        token = int(torch.randint(0, vocab, (1,), generator=gen))
-        me.append(token)
-        outputs.append(token)
-    counts, prompt_mask = gather_penalty_state([me], vocab, CPU)
-    assert counts[0].tolist() == [outputs.count(t) for t in range(vocab)]
-    assert prompt_mask[0].tolist() == [t in (1, 2) for t in range(vocab)]
-    assert len(me.pending_token_ids) < PENDING_FLUSH_LIMIT
-    assert me.num_output_tokens == len(outputs)
-    # Gathering twice must not count the pending tokens twice.
-    counts_again, _ = gather_penalty_state([me], vocab, CPU)
-    assert counts_again.equal(counts)
-
-
-def test_token_ids_outside_the_vocabulary_are_ignored_by_penalties():
-    me = request([1, 500], [2, 900], repetition_penalty=2.0, frequency_penalty=1.0)
-    counts, prompt_mask = gather_penalty_state([me], 10, CPU)
-    assert counts[0].tolist() == [0, 0, 1] + [0] * 7
-    assert prompt_mask[0].nonzero().flatten().tolist() == [1]
-
-
 # --- logprobs ---
 
 
@@ -449,60 +291,3 @@ def test_logprob_rows_do_not_change_the_caller_logits():
     before = logits.clone()
     Sampler(30, CPU)(logits, [request(logprobs=2, frequency_penalty=1.0, outputs=[3]), request(temperature=1.0)])
     assert logits.equal(before)
-
-
-# --- min_tokens ---
-
-
-def test_stop_tokens_are_banned_until_min_tokens():
-    vocab, eos, stop = 12, 7, 5
-    logits = torch.zeros(1, vocab)
-    logits[0, eos], logits[0, stop], logits[0, 2] = 9.0, 8.0, 1.0  # EOS, then the stop token, would win
-    sampler = Sampler(vocab, CPU)
-
-    def generate(num_tokens: int, **fields) -> list[int]:
-        me = RequestSampling.create(params(**fields), [1], [], eos_token_ids=[eos])
-        produced = []
-        for _ in range(num_tokens):
-            produced.append(sampler(logits, [me]).token_ids[0])
-            me.append(produced[-1])
-        return produced
-
-    assert generate(5, min_tokens=3, stop_token_ids=[stop]) == [2, 2, 2, eos, eos]
-    assert generate(5, min_tokens=3, stop_token_ids=[stop], ignore_eos=True) == [eos] * 5
-    assert generate(2, min_tokens=3, stop_token_ids=[stop], ignore_eos=True, temperature=1e-3) == [eos] * 2
-    assert generate(3, min_tokens=2) == [stop, stop, eos]  # only EOS is banned: 5 is no stop token here
-    assert RequestSampling.create(params(min_tokens=4), [1], []).plain_greedy  # nothing to ban
-    # A resumed request counts its earlier outputs towards min_tokens.
-    resumed = RequestSampling.create(params(min_tokens=3), [1], [2, 2, 2], eos_token_ids=[eos])
-    assert resumed.plain_greedy
-    assert sampler(logits, [resumed]).token_ids == [eos]
-    # Sampled rows: the ban holds over many draws.
-    reqs = [RequestSampling.create(params(temperature=1.0, min_tokens=1), [], [], eos_token_ids=[eos, stop])] * 500
-    assert not {eos, stop} & set(sampler(logits.expand(500, -1).contiguous(), reqs).token_ids)
-
-
-# --- the same guarantees on a GPU (skipped without one) ---
-
-
-@pytest.mark.cuda
-def test_cuda_sampler():
-    cuda = torch.device("cuda")
-    gen = torch.Generator().manual_seed(19)
-    logits = torch.randn(8, 97, generator=gen) * 3
-    assert Sampler(97, cuda)(logits.to(cuda, torch.bfloat16), [request()] * 8).token_ids == (
-        logits.to(torch.bfloat16).float().argmax(-1).tolist()
-    )
-    alone = run_seeded(Sampler(97, cuda, seed=1), SEEDED, range(12), companions=0, position=0, outputs=[])
-    batched = run_seeded(Sampler(97, cuda, seed=2), SEEDED, range(12), companions=5, position=3, outputs=[])
-    before = run_seeded(Sampler(97, cuda), SEEDED, range(5), companions=1, position=0, outputs=[])
-    after = run_seeded(Sampler(97, cuda), SEEDED, range(5, 12), companions=3, position=3, outputs=before)
-    assert batched == alone == before + after
-    probs, column = shuffled([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02], seed=5)
-    tokens = sample_many(Sampler(7, cuda, seed=2), logits_from_probs(probs, 4000).to(cuda), temperature=1.0, top_p=0.7)
-    assert set(tokens.tolist()) == {column[0], column[1], column[2]}
-    out = Sampler(97, cuda)(logits.to(cuda), [request(logprobs=4, frequency_penalty=1.0, outputs=[1, 1])] * 8)
-    reference = torch.log_softmax(logits, dim=-1)
-    for row, entry in enumerate(out.logprobs):
-        assert [top.token_id for top in entry.top] == reference[row].topk(4).indices.tolist()
-        assert entry.logprob == pytest.approx(reference[row, entry.token_id].item(), abs=1e-4)
