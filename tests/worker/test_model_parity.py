@@ -81,3 +81,31 @@ def test_chunked_prefill_and_decode_equal_transformers(pair):
         r.num_scheduled_tokens = 1
         got = run_logits(runner, [r])["a"]
         torch.testing.assert_close(got, ref[len(r.token_ids) - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_batch_equals_each_request_alone(pair):
+    """Prefills, a chunk over a cached prefix and decodes in one step give what each gives alone."""
+    loaded, _ = pair
+    g = torch.Generator().manual_seed(3)
+    tokens = {name: torch.randint(0, 160, (n,), generator=g).tolist() for name, n in [("a", 13), ("b", 20), ("c", 9)]}
+    tokens["d"] = torch.randint(0, 160, (6,), generator=g).tolist()
+    # (name, tokens known, blocks, already computed, scheduled now): b and d decode, c continues a chunk.
+    layout = [("a", 13, [4, 11, 0, 7], 0, 13), ("b", 20, [2, 9, 14, 5, 1], 19, 1), ("c", 9, [6, 3, 12], 4, 5)]
+    layout.append(("d", 6, [8, 10], 5, 1))
+
+    def fresh_runner_with_prefixes(names):
+        runner = create_runner(loaded, block_size=4, num_blocks=16)
+        prefix = [request(n, tokens[n][:k], blk, 0, c) for n, k, blk, c, _ in layout if n in names and c > 0]
+        if prefix:
+            run_logits(runner, prefix)
+        return runner
+
+    def step(runner, names):
+        batch = [request(n, tokens[n][:k], blk, c, s) for n, k, blk, c, s in layout if n in names]
+        return run_logits(runner, batch)
+
+    together = step(fresh_runner_with_prefixes("abcd"), "abcd")
+    assert sorted(together) == ["a", "b", "c", "d"]
+    for name in "abcd":
+        alone = step(fresh_runner_with_prefixes(name), name)
+        torch.testing.assert_close(together[name], alone[name], atol=1e-5, rtol=1e-5)

@@ -9,6 +9,8 @@ The runner puts decodes first, so a mixed step takes the batched path for all it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -18,24 +20,30 @@ from .base import AttentionBackend, AttentionMetadata
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self) -> None:
+        # The decode plan depends only on the step's metadata: built by the first layer, reused by the others.
+        self._plan_for: AttentionMetadata | None = None
+        self._plan: _DecodePlan | None = None
+
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         num_kv_heads, head_dim = k_cache.shape[-2:]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_decodes = _leading_decodes(meta.query_lens_cpu)
-        if num_decodes == meta.num_seqs:
-            return _decode(query, k_cache, v_cache, meta, scale, num_decodes)
+        if self._plan_for is not meta:
+            self._plan, self._plan_for = _DecodePlan.build(meta, k_cache.shape[1]), meta
+        plan = self._plan
+        if plan.num_seqs == meta.num_seqs:
+            return _decode(query, k_cache, v_cache, plan, scale)
         out = torch.empty_like(query)
-        if num_decodes:
-            out[:num_decodes] = _decode(query[:num_decodes], k_cache, v_cache, meta, scale, num_decodes)
+        if plan.num_seqs:
+            out[: plan.num_seqs] = _decode(query[: plan.num_seqs], k_cache, v_cache, plan, scale)
         block_size = k_cache.shape[1]
-        start = num_decodes
-        for i in range(num_decodes, meta.num_seqs):
+        start = plan.num_seqs
+        for i in range(plan.num_seqs, meta.num_seqs):
             q_len, seq_len = meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
-            num_blocks = -(-seq_len // block_size)
-            blocks = meta.block_tables[i, :num_blocks]
+            blocks = meta.block_tables[i, : -(-seq_len // block_size)]
             out[start : start + q_len] = _prefill(
                 query[start : start + q_len], k_cache, v_cache, blocks, seq_len, scale
             )
@@ -43,31 +51,41 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
-def _leading_decodes(query_lens: list[int]) -> int:
-    n = 0
-    for q_len in query_lens:
-        if q_len != 1:
-            break
-        n += 1
-    return n
+@dataclass(slots=True)
+class _DecodePlan:
+    """The leading run of single-token requests, gathered as one batch."""
+
+    num_seqs: int
+    block_ids: torch.Tensor  # [B * M] int64, the block tables of the B decodes, M blocks each
+    mask: torch.Tensor  # [B, 1, 1, M * block_size] bool, True for positions inside the sequence
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int) -> _DecodePlan:
+        num_seqs = 0
+        for q_len in meta.query_lens_cpu:
+            if q_len != 1:
+                break
+            num_seqs += 1
+        if num_seqs == 0:
+            return cls(0, meta.slot_mapping[:0], meta.slot_mapping[:0].bool())
+        max_blocks = -(-max(meta.seq_lens_cpu[:num_seqs]) // block_size)
+        block_ids = meta.block_tables[:num_seqs, :max_blocks].reshape(-1).long()
+        positions = torch.arange(max_blocks * block_size, device=block_ids.device)
+        mask = (positions[None, :] < meta.seq_lens[:num_seqs, None]).view(num_seqs, 1, 1, -1)
+        return cls(num_seqs, block_ids, mask)
 
 
-def _decode(query, k_cache, v_cache, meta: AttentionMetadata, scale: float, num_seqs: int) -> torch.Tensor:
+def _decode(query, k_cache, v_cache, plan: _DecodePlan, scale: float) -> torch.Tensor:
     """query: [B, H, D], one token per request (the first B requests) -> [B, H, D]."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_heads = query.shape[1]
-    max_blocks = -(-max(meta.seq_lens_cpu[:num_seqs]) // block_size)
-    tables = meta.block_tables[:num_seqs, :max_blocks]  # [B, M]
-    ctx_len = max_blocks * block_size
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    num_seqs, num_heads = plan.num_seqs, query.shape[1]
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [B, KV, M*block_size, D]
-        return cache[tables].view(num_seqs, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [B, KV, M * block_size, D]
+        return cache.index_select(0, plan.block_ids).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
 
     # Queries of one KV group act as G query rows against that group's keys: no KV repeat.
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, KV, G, D]
-    positions = torch.arange(ctx_len, device=query.device)
-    mask = (positions[None, :] < meta.seq_lens[:num_seqs, None]).view(num_seqs, 1, 1, ctx_len)
-    out = F.scaled_dot_product_attention(q, gather(k_cache), gather(v_cache), attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(q, gather(k_cache), gather(v_cache), attn_mask=plan.mask, scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
@@ -75,8 +93,9 @@ def _prefill(query, k_cache, v_cache, blocks, seq_len: int, scale: float) -> tor
     """query: [q_len, H, D], the last q_len of seq_len positions; blocks: [ceil(seq_len / block_size)]."""
     q_len, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    k = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)  # [KV, S, D]
-    v = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+    blocks = blocks.long()
+    k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)  # [KV, S, D]
+    v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
     q = query.transpose(0, 1)  # [H, q_len, D]
     if q_len == seq_len:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)

@@ -97,8 +97,8 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, E]
-        cos: torch.Tensor,  # [T, 1, D/2]
-        sin: torch.Tensor,  # [T, 1, D/2]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, KV, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, E]
@@ -151,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(args, backend) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.cos: torch.Tensor | None = None  # [max_positions, D/2]
+        self.cos: torch.Tensor | None = None  # [max_positions, D], see rope.cos_sin_tables
         self.sin: torch.Tensor | None = None
 
     def init_rope(self) -> None:
@@ -168,7 +168,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, E] hidden states before the final norm
         x = self.embed_tokens(input_ids)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D/2]
+        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)

@@ -77,14 +77,19 @@ def _yarn(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
 def cos_sin_tables(
     head_dim: int, theta: float, scaling: dict, max_positions: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_positions, head_dim // 2] each, in ``dtype``."""
+    """cos: [max_positions, head_dim] as (cos, cos); sin: [max_positions, head_dim] as (-sin, sin), in ``dtype``.
+
+    The sign of the first half is folded into the sin table, so rotate-half needs no negation."""
     inv_freq, attention_factor = inverse_frequencies(head_dim, theta, scaling)
     freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
     cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
     return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, 1, head_dim // 2] (rotate-half layout)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, 1, head_dim] from ``cos_sin_tables``.
+
+    Rotate-half layout: x * cos + (x2, x1) * (-sin, sin)."""
+    swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+    return torch.addcmul(x * cos, swapped, sin)

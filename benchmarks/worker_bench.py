@@ -1,0 +1,152 @@
+"""Decode throughput of the worker's forward + sample next to Hugging Face ``generate``, same model, same run.
+
+    python -m benchmarks.worker_bench [--dtype bfloat16] [--batch-sizes 1,16,64] [--steps 32] [--threads 2]
+
+kvgrid side: the worker's ModelRunner driven directly (no gRPC): each request is prefilled
+(untimed), then ``--steps`` decode steps of the whole batch are timed, each one forward over the
+paged KV cache plus batched sampling. Hugging Face side: ``generate`` on a [batch, prompt] tensor
+with greedy decoding and no early stop; its decode time is the time for ``steps + 1`` new tokens
+minus the time for 1 (the prefill and the first token). Both load the default SmolLM2 GGUF.
+Prints a markdown table and writes JSON to ``benchmarks/results/worker_bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from kvgrid.v1 import common_pb2  # noqa: E402
+from services.common.default_model import default_model_path  # noqa: E402
+from services.worker.engine import create_runner, load_model  # noqa: E402
+from services.worker.sampling_params import RequestSampling  # noqa: E402
+from services.worker.state import RequestState  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "worker_bench.json")
+BLOCK_SIZE = 16
+
+
+def kvgrid_decode(runner, batch: int, prompt_len: int, steps: int, vocab: int) -> float:
+    """Decode tokens/s of the runner at ``batch`` requests."""
+    g = torch.Generator().manual_seed(batch)
+    blocks_per_seq = -(-(prompt_len + steps + 1) // BLOCK_SIZE)
+    requests = []
+    for i in range(batch):
+        tokens = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+        requests.append(
+            RequestState(
+                request_id=f"b{i}",
+                token_ids=tokens,
+                num_prompt_tokens=prompt_len,
+                block_ids=list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)),
+                num_computed_tokens=0,
+                sampling=RequestSampling.create(common_pb2.SamplingParams(), tokens, []),
+                num_scheduled_tokens=prompt_len,
+            )
+        )
+    runner.execute(requests)  # prefill, samples the first token
+    for r in requests:  # two untimed warm-up decodes
+        r.num_scheduled_tokens = 1
+    for _ in range(2):
+        runner.execute(requests)
+        for r in requests:
+            r.num_scheduled_tokens = 1
+    start = time.perf_counter()
+    for _ in range(steps):
+        runner.execute(requests)
+        for r in requests:
+            r.num_scheduled_tokens = 1
+    return batch * steps / (time.perf_counter() - start)
+
+
+def hf_decode(model, batch: int, prompt_len: int, steps: int, vocab: int) -> float:
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, vocab, (batch, prompt_len), generator=g)
+    mask = torch.ones_like(ids)
+
+    def run(new_tokens: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        return time.perf_counter() - start
+
+    run(3)  # warm-up
+    prefill = min(run(1) for _ in range(2))
+    return batch * steps / max(run(steps + 1) - prefill, 1e-9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--batch-sizes", default="1,16,64")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-hf", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    dtype = getattr(torch, args.dtype)
+
+    loaded = load_model(default_model_path(), dtype=args.dtype, device="cpu", attention_backend="torch")
+    vocab = loaded.args.vocab_size
+    blocks = max(batches) * -(-(args.prompt_len + args.steps + 1) // BLOCK_SIZE)
+    runner = create_runner(loaded, BLOCK_SIZE, blocks, seed=0)
+    ours = {b: kvgrid_decode(runner, b, args.prompt_len, args.steps, vocab) for b in batches}
+    del runner, loaded
+
+    theirs: dict[int, float] = {}
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        directory, name = os.path.split(default_model_path())
+        hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype).eval()
+        theirs = {b: hf_decode(hf, b, args.prompt_len, args.steps, vocab) for b in batches}
+
+    rows = []
+    print(f"\nDecode tokens/s, SmolLM2-135M {args.dtype}, CPU, {args.threads} threads, prompt {args.prompt_len}\n")
+    print("| batch | kvgrid tok/s | HF generate tok/s | speed-up |")
+    print("|---:|---:|---:|---:|")
+    for b in batches:
+        hf_rate = theirs.get(b)
+        ratio = ours[b] / hf_rate if hf_rate else None
+        rows.append({"batch": b, "kvgrid_tok_s": ours[b], "hf_tok_s": hf_rate, "speedup": ratio})
+        hf_text = f"{hf_rate:.1f}" if hf_rate else "-"
+        ratio_text = f"{ratio:.2f}x" if ratio else "-"
+        print(f"| {b} | {ours[b]:.1f} | {hf_text} | {ratio_text} |")
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        json.dump(
+            {
+                "benchmark": "worker_decode",
+                "model": "SmolLM2-135M-Instruct Q4_1 GGUF (dequantized)",
+                "dtype": args.dtype,
+                "threads": args.threads,
+                "prompt_len": args.prompt_len,
+                "steps": args.steps,
+                "torch": torch.__version__,
+                "machine": platform.processor() or platform.machine(),
+                "results": rows,
+            },
+            f,
+            indent=2,
+        )
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
