@@ -12,8 +12,9 @@ from opentelemetry.trace import Status, StatusCode
 
 from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2
 from services.common.errors import InvalidArgument, KvgridError, Unavailable, grpc_errors
+from services.common.logs import request_log
 from services.common.metrics import TokenizerMetrics
-from services.common.tracing import context_from_metadata, inject, tracer
+from services.common.tracing import context_from_metadata, inject, trace_id_hex, tracer
 from services.tokenizer import validation as v
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.output import OutputProcessor
@@ -53,7 +54,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
 
     @grpc_errors
     async def Generate(self, request: generate_pb2.GenerateRequest, context) -> AsyncIterator:
-        with RequestMetrics(self._metrics) as tracked:
+        with RequestMetrics(self._metrics, request.request_id) as tracked:
             v.check_request_id(request.request_id)
             if request.prompt and request.prompt_token_ids:
                 raise InvalidArgument("prompt", "set exactly one of prompt and prompt_token_ids, not both")
@@ -73,7 +74,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
 
     @grpc_errors
     async def Chat(self, request: generate_pb2.ChatRequest, context) -> AsyncIterator:
-        with RequestMetrics(self._metrics) as tracked:
+        with RequestMetrics(self._metrics, request.request_id) as tracked:
             v.check_request_id(request.request_id)
             v.check_messages("messages", request.messages)
             tokenizer, limits = self._state.require_serving()
@@ -138,7 +139,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         )
         call = self._link.stub.Submit(submit, metadata=list(inject(span).items()))
         upstream_done = False  # the scheduler no longer holds the request: nothing to abort
-        tracked.prompt(len(prompt_ids))
+        tracked.begin(request_id, len(prompt_ids), trace_id_hex(span))
         try:
             async for delta in call:
                 out = output.process(delta)
@@ -171,6 +172,6 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
 
     def _end_upstream(self, call, request_id: str) -> None:
         """Stop the request at the scheduler now; synchronous, so it also works while the handler is cancelled."""
-        log.debug("ending request %s upstream", request_id)
+        request_log(log, request_id).debug("ending the request upstream")
         call.cancel()
         self._link.abort_later(request_id)

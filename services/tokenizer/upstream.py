@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgrid.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.logs import request_log
 from services.common.server import SERVING, insecure_channel
 from services.tokenizer.model_state import ModelState
 
@@ -96,4 +97,4 @@ class SchedulerLink:
         try:
             await self.stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
-            log.warning("abort of %s at the scheduler failed: %s %s", request_id, e.code().name, e.details())
+            request_log(log, request_id).warning("abort at the scheduler failed: %s %s", e.code().name, e.details())
