@@ -30,6 +30,8 @@ class ModelState:
         self.tokenizer = tokenizer
         self.info: worker_pb2.HandshakeResponse | None = None
         self.scheduler_serving = False
+        # Set once shutdown begins: never serving again, whatever the scheduler says.
+        self.draining = False
         self._override = tokenizer is not None  # --tokenizer given: the worker's files are not used
         self._files: dict[str, bytes] = {}
         self._served_model_name = served_model_name
@@ -37,7 +39,7 @@ class ModelState:
 
     @property
     def serving(self) -> bool:
-        return self.tokenizer is not None and self.info is not None and self.scheduler_serving
+        return self.tokenizer is not None and self.info is not None and self.scheduler_serving and not self.draining
 
     async def set_worker_info(self, info: worker_pb2.HandshakeResponse) -> None:
         """A (possibly new) worker's handshake; rebuilds the tokenizer when its files changed."""
@@ -65,6 +67,12 @@ class ModelState:
     def set_scheduler_serving(self, serving: bool) -> None:
         was = self.serving
         self.scheduler_serving = serving
+        self._notify(was)
+
+    def drain(self) -> None:
+        """Shutdown began: report NOT_SERVING (gRPC health and /health) while running streams finish."""
+        was = self.serving
+        self.draining = True
         self._notify(was)
 
     def _notify(self, was: bool) -> None:

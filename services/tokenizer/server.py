@@ -45,7 +45,7 @@ class TokenizerServer:
 
     async def stop(self, grace: float | None = 5.0) -> None:
         """Refuse new calls, let running streams finish for up to ``grace`` seconds, then close everything."""
-        self.health.set(False)
+        self.state.drain()
         await self.server.stop(grace)
         await self.http.close()
         await self.link.close()
