@@ -106,24 +106,46 @@ def build_request(args: argparse.Namespace, prompt: str):
     return generate_pb2.ChatRequest(messages=messages, sampling=sampling)
 
 
+def no_chat_template(err: grpc.RpcError) -> bool:
+    return err.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in (err.details() or "")
+
+
+class Printer:
+    """Writes streamed messages as text (or JSON lines) and remembers how the stream ended."""
+
+    def __init__(self, as_json: bool):
+        self.as_json = as_json
+        self.wrote = False
+        self.finish = ""
+
+    def run(self, stub, request, timeout: float | None) -> None:
+        for response in stream_calls(stub, request, timeout):
+            if self.as_json:
+                print(json.dumps(json_format.MessageToDict(response)), flush=True)
+            else:
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+            self.wrote = self.wrote or bool(response.text) or self.as_json
+            self.finish = response.finish_reason or self.finish
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     request = build_request(args, prompt)
-    finish, wrote = "", False
+    printer = Printer(args.json)
     with grpc.insecure_channel(args.addr) as channel:
         stub = generate_pb2_grpc.TextGenerationStub(channel)
         try:
-            for response in stream_calls(stub, request, args.timeout):
-                if args.json:
-                    print(json.dumps(json_format.MessageToDict(response)), flush=True)
-                else:
-                    sys.stdout.write(response.text)
-                    sys.stdout.flush()
-                    wrote = wrote or bool(response.text)
-                finish = response.finish_reason or finish
+            try:
+                printer.run(stub, request, args.timeout)
+            except grpc.RpcError as err:
+                if printer.wrote or not isinstance(request, generate_pb2.ChatRequest) or not no_chat_template(err):
+                    raise
+                print("kvgrid generate: the model has no chat template; completing the raw text", file=sys.stderr)
+                printer.run(stub, generate_pb2.GenerateRequest(prompt=prompt, sampling=request.sampling), args.timeout)
         except grpc.RpcError as err:
-            if wrote:
+            if printer.wrote and not args.json:
                 sys.stdout.write("\n")
             print(f"kvgrid generate: {describe_error(err, args.addr)}", file=sys.stderr)
             return 1
@@ -132,7 +154,7 @@ def main(argv: list[str]) -> int:
             return 130
     if not args.json:
         sys.stdout.write("\n")
-    if finish == "abort":
+    if printer.finish == "abort":
         print("kvgrid generate: the server aborted the request", file=sys.stderr)
         return 1
     return 0

@@ -28,6 +28,8 @@ class FakeTextGeneration(generate_pb2_grpc.TextGenerationServicer):
         self.requests.append(request)
         if getattr(request, "prompt", "") == "bad":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature: must be >= 0")
+        if isinstance(request, generate_pb2.ChatRequest) and request.messages[-1].content == "base model":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "messages: the model's tokenizer has no chat template")
         n = request.sampling.max_tokens or 16
         num_prompt = len(getattr(request, "prompt_token_ids", ())) or 4
         pieces = REPLY[:n]
@@ -96,6 +98,15 @@ def test_generate_reports_a_server_error_in_one_line(fake_server, capsys):
     assert client.main(["bad", "--raw", "--addr", addr]) == 1
     err = capsys.readouterr().err
     assert err.strip() == "kvgrid generate: INVALID_ARGUMENT: sampling.temperature: must be >= 0"
+
+
+def test_generate_falls_back_to_raw_text_without_a_chat_template(fake_server, capsys):
+    servicer, addr = fake_server
+    assert client.main(["base model", "--addr", addr, "--max-tokens", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "Hel\n" and "no chat template" in err
+    assert isinstance(servicer.requests[-1], generate_pb2.GenerateRequest)
+    assert servicer.requests[-1].prompt == "base model" and servicer.requests[-1].sampling.max_tokens == 1
 
 
 def test_generate_against_a_closed_port_says_so_without_a_traceback():

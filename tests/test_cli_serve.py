@@ -154,3 +154,23 @@ def test_a_child_that_dies_at_startup_stops_the_others(signals, capsys):
         serve.stop_all(children)
     assert "start-up failed: the scheduler exited with code 3" in capsys.readouterr().out
     assert all(c.process.poll() is not None for c in children)
+
+
+@pytest.mark.timeout(120)
+def test_a_child_that_dies_after_ready_stops_the_others(signals, capsys, monkeypatch):
+    announce = serve.print_ready
+
+    def announce_then_kill_the_worker(config, children):
+        announce(config, children)
+        children[0].process.kill()
+
+    monkeypatch.setattr(serve, "print_ready", announce_then_kill_the_worker)
+    children = fake_children(free_ports(3))
+    for child in children:
+        serve.start(child)
+    try:
+        assert serve.supervise(parse(["--host", "127.0.0.1"]), children, signals) == 1
+    finally:
+        serve.stop_all(children)
+    assert "the worker was killed by signal SIGKILL; stopping the others" in capsys.readouterr().out
+    assert all(c.process.poll() is not None for c in children)
