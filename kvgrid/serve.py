@@ -156,7 +156,7 @@ def stop_all(children: list[Child]) -> None:
 def _describe_exit(child: Child) -> str:
     code = child.process.returncode
     how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-    return f"the {child.name} {how}; see its log above"
+    return f"the {child.name} {how}"
 
 
 def print_ready(config: cfg.Config, children: list[Child]) -> None:
@@ -199,7 +199,7 @@ def supervise(config: cfg.Config, children: list[Child], signals: _Signals) -> i
             return 1
         dead = first_exited(children)
         if dead:
-            _say(f"start-up failed: {_describe_exit(dead)}")
+            _say(f"start-up failed: {_describe_exit(dead)}; see its log above")
             return 1
         pending = [c for c in pending if not is_serving(c.grpc_addr)]
         if pending and time.monotonic() - announced_wait > 15:
@@ -212,7 +212,7 @@ def supervise(config: cfg.Config, children: list[Child], signals: _Signals) -> i
             return 0
         dead = first_exited(children)
         if dead:
-            _say(f"{_describe_exit(dead)}; stopping the others")
+            _say(f"{_describe_exit(dead)}; stopping the others (see its log above)")
             return 1
 
 
