@@ -9,11 +9,15 @@ import time
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, service: str = ""):
+        super().__init__()
+        self.service = service
+
     def format(self, record: logging.LogRecord) -> str:
         out = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
-            "service": getattr(record, "service", None) or logging.getLogger().name,
+            "service": getattr(record, "service", None) or self.service,
             "logger": record.name,
             "msg": record.getMessage(),
         }
@@ -31,7 +35,7 @@ class JsonFormatter(logging.Formatter):
 def setup_logging(service: str, level: str = "info", fmt: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
-        handler.setFormatter(JsonFormatter())
+        handler.setFormatter(JsonFormatter(service))
     else:
         handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s"))
     root = logging.getLogger()
