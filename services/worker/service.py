@@ -17,7 +17,7 @@ from services.common.metrics import WorkerMetrics
 from .core import WorkerCore
 from .model_runner import SampledRow
 from .sampling_params import RequestSampling
-from .state import RequestStates
+from .state import RequestState, RequestStates
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 spans.end(plan.finished_ids)
                 scheduled = states.apply(plan)
                 spans.start(plan.new_requests)
+                spans.step(scheduled)
                 rows = await loop.run_in_executor(self._executor, core.runner.execute, scheduled)
                 seconds = time.perf_counter() - started
                 if self.metrics is not None:
@@ -86,10 +87,16 @@ def _sampled(row: SampledRow) -> worker_pb2.SampledToken:
 
 
 class _RequestSpans:
-    """One span per request for its life on this stream, child of the scheduler's request span."""
+    """One span per request for its life on this stream, child of the scheduler's request span.
+
+    A recorded span counts the request's steps (attribute ``kvgrid.num_steps``) and gets one
+    ``prefill`` event per step that computes more than one of its tokens (a prompt or a chunk of it).
+    """
 
     def __init__(self):
         self.open: dict[str, trace.Span] = {}
+        # Steps of each request whose span records; empty when tracing is off, so ``step`` costs nothing.
+        self.num_steps: dict[str, int] = {}
 
     def start(self, new_requests) -> None:
         tracer = tracing.tracer()
@@ -105,9 +112,30 @@ class _RequestSpans:
                 },
             )
             self.open[new.request_id] = span
+            if span.is_recording():
+                self.num_steps[new.request_id] = 0
+
+    def step(self, scheduled: list[RequestState]) -> None:
+        """Call with the step's requests before it runs (their tokens to compute are set, not yet computed)."""
+        if not self.num_steps:
+            return
+        for state in scheduled:
+            count = self.num_steps.get(state.request_id)
+            if count is None:
+                continue
+            self.num_steps[state.request_id] = count + 1
+            if state.num_scheduled_tokens > 1:
+                attributes = {
+                    "kvgrid.num_tokens": state.num_scheduled_tokens,
+                    "kvgrid.start": state.num_computed_tokens,
+                }
+                self.open[state.request_id].add_event("prefill", attributes)
 
     def end(self, request_ids) -> None:
         for request_id in request_ids:
             span = self.open.pop(request_id, None)
             if span is not None:
+                count = self.num_steps.pop(request_id, None)
+                if count is not None:
+                    span.set_attribute("kvgrid.num_steps", count)
                 span.end()
