@@ -18,11 +18,16 @@ class CollectedSpan:
     span_id: str
     parent_span_id: str
     attributes: dict
+    events: tuple = ()  # (name, attributes) in order
 
 
 def _value(any_value):
     kind = any_value.WhichOneof("value")
     return getattr(any_value, kind) if kind else None
+
+
+def _attributes(attributes) -> dict:
+    return {a.key: _value(a.value) for a in attributes}
 
 
 class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
@@ -39,7 +44,8 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
                     collected.append(CollectedSpan(
                         service=service, name=span.name, trace_id=span.trace_id.hex(), span_id=span.span_id.hex(),
                         parent_span_id=span.parent_span_id.hex(),
-                        attributes={a.key: _value(a.value) for a in span.attributes}))  # fmt: skip
+                        attributes={a.key: _value(a.value) for a in span.attributes},
+                        events=tuple((e.name, _attributes(e.attributes)) for e in span.events)))  # fmt: skip
         with self._lock:
             self._sink.extend(collected)
         return trace_service_pb2.ExportTraceServiceResponse()
