@@ -76,3 +76,18 @@ def run_logits(runner, requests: list[RequestState]) -> dict[str, torch.Tensor]:
         r.num_computed_tokens += r.num_scheduled_tokens
         r.num_scheduled_tokens = 0
     return {r.request_id: logits[i] for i, r in enumerate(inputs.sampling_requests)}
+
+
+def save_tiny_tokenizer(path: str, vocab_size: int = 150) -> str:
+    """A word-level tokenizer ("t0 t1 ..." -> ids) with <|im_end|> as EOS, id ``vocab_size``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    vocab["<|im_end|>"] = vocab_size
+    vocab["<unk>"] = vocab_size + 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>")
+    fast.save_pretrained(path)
+    return path
