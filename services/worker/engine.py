@@ -81,8 +81,12 @@ def load_model(
     device: str = "auto",
     attention_backend: str = "auto",
     load_format: str = "auto",
+    upcast_matmuls: bool | None = None,
 ) -> LoadedModel:
-    """Raises ModelLoadError (one line) for a bad path, architecture or file."""
+    """Raises ModelLoadError (one line) for a bad path, architecture or file.
+
+    ``upcast_matmuls`` (None: auto) multiplies half-precision weights in float32, which is what a
+    CPU without bfloat16 units should do (see ``models.llama.Linear``)."""
     started = time.perf_counter()
     source = resolve_source(model_path, load_format)
     torch_device = resolve_device(device)
@@ -90,6 +94,11 @@ def load_model(
     hf_config, args = read_config(source)
     backend = get_backend(attention_backend, str(torch_device))
     model = build_model(source, hf_config, args, backend, torch_dtype, torch_device)
+    if upcast_matmuls is None:
+        upcast_matmuls = torch_device.type == "cpu" and torch_dtype != torch.float32 and not cpu_has_native_bf16()
+    if upcast_matmuls:
+        log.info("%s weights are multiplied in float32: this CPU has no bfloat16 units", torch_dtype)
+    model.set_upcast_matmuls(upcast_matmuls)
     seconds = time.perf_counter() - started
     log.info("loaded %s (%s, %s on %s) in %.1fs", model_path, args.architecture, torch_dtype, torch_device, seconds)
     return LoadedModel(source, hf_config, args, model, torch_dtype, torch_device, seconds)

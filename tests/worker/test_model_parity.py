@@ -109,3 +109,19 @@ def test_mixed_batch_equals_each_request_alone(pair):
     for name in "abcd":
         alone = step(fresh_runner_with_prefixes(name), name)
         torch.testing.assert_close(together[name], alone[name], atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_upcast_matmuls_match_native(tmp_path):
+    """bf16 weights multiplied in float32 (CPUs without bf16 units) give the native bf16 GEMM's results."""
+    path = save_tiny_model(str(tmp_path / "m"), "llama", tie_word_embeddings=True)
+    tokens = torch.randint(0, 160, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([tokens])).logits[0, -1]
+    logits = {}
+    for upcast in (False, True):
+        loaded = load_model(path, dtype="bfloat16", device="cpu", attention_backend="torch", upcast_matmuls=upcast)
+        assert loaded.model.layers[0].mlp.down_proj.upcast is upcast
+        runner = create_runner(loaded, block_size=4, num_blocks=8)
+        logits[upcast] = run_logits(runner, [request("a", tokens, [3, 1, 6], 0, 12)])["a"].float()
+    torch.testing.assert_close(logits[True], logits[False], atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(logits[True], ref, atol=6e-2, rtol=6e-2)

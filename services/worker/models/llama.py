@@ -71,6 +71,27 @@ class LlamaArgs:
 _DEFAULT_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` that can multiply half-precision weights in float32 (``upcast``).
+
+    On CPUs without bfloat16/float16 units (no AVX512-BF16 or AMX) the half-precision GEMM is
+    emulated and runs 5-50x slower than float32 once there is more than one row. Upcasting gives
+    the same products (each half-precision value is exact in float32, the GEMM accumulates in
+    float32 either way) rounded once to the output dtype; weights and the KV cache stay in half
+    precision. A single row (one decode at batch 1) is memory-bound and stays native.
+    """
+
+    upcast: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return upcast_linear(x, self.weight, self.bias) if self.upcast and x.shape[0] > 1 else super().forward(x)
+
+
+def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -89,8 +110,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=args.o_bias)
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         self.scale = args.head_dim**-0.5
         self.backend = backend
 
@@ -118,8 +139,8 @@ class MLP(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.intermediate_size = args.intermediate_size
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
@@ -150,8 +171,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, backend) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, bias=False)
         self.cos: torch.Tensor | None = None  # [max_positions, D], see rope.cos_sin_tables
+        self.upcast_matmuls = False
         self.sin: torch.Tensor | None = None
 
     def init_rope(self) -> None:
@@ -179,7 +201,16 @@ class LlamaForCausalLM(nn.Module):
         """Only the rows that sample: the final norm is per row, so it runs after the selection."""
         normed, _ = self.norm(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.upcast_matmuls and normed.shape[0] > 1:
+            return F.linear(normed.float(), weight.float())  # float32 logits: the sampler takes any dtype
         return F.linear(normed, weight)
+
+    def set_upcast_matmuls(self, enabled: bool) -> None:
+        """Half-precision weights multiplied in float32 (see ``Linear``); for CPUs without bf16 units."""
+        self.upcast_matmuls = enabled
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.upcast = enabled
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the fused parameters; raises on gaps."""
