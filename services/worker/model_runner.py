@@ -73,7 +73,7 @@ class ModelRunner:
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             tables.append(blocks[: -(-end // bs)])
-            if end == len(r.token_ids):
+            if r.samples_this_step:
                 logits_indices.append(len(input_ids) - 1)
                 sampling_requests.append(r)
         width = max(len(t) for t in tables)

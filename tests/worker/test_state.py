@@ -1,0 +1,85 @@
+"""Request state from StepPlans: new requests in full, then diffs, finished ids first; bad plans rejected whole."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgrid.v1 import worker_pb2
+from services.common.errors import InvalidArgument
+from services.worker.sampling_params import RequestSampling
+from services.worker.state import RequestStates
+
+
+def states() -> RequestStates:
+    return RequestStates(
+        block_size=4,
+        num_blocks=10,
+        vocab_size=100,
+        max_model_len=32,
+        make_sampling=lambda params, prompt, outputs: RequestSampling.create(params, prompt, outputs),
+    )
+
+
+def new(rid, tokens, blocks, computed=0, scheduled=None, prompt=None):
+    return worker_pb2.NewRequest(
+        request_id=rid,
+        token_ids=tokens,
+        num_prompt_tokens=len(tokens) if prompt is None else prompt,
+        block_ids=blocks,
+        num_computed_tokens=computed,
+        num_scheduled_tokens=len(tokens) - computed if scheduled is None else scheduled,
+    )
+
+
+def test_new_then_diffs_then_finished():
+    s = states()
+    (a,) = s.apply(worker_pb2.StepPlan(new_requests=[new("a", [1, 2, 3, 4, 5], [7, 2], scheduled=4)]))
+    assert (a.block_ids, a.num_computed_tokens, a.num_scheduled_tokens, a.samples_this_step) == ([7, 2], 0, 4, False)
+    a.num_computed_tokens = 4  # what the runner commits
+    plan = worker_pb2.StepPlan(running=[worker_pb2.RunningRequest(request_id="a", num_scheduled_tokens=1)])
+    (same,) = s.apply(plan)
+    assert same is a and a.samples_this_step
+    a.num_computed_tokens, a.token_ids = 5, a.token_ids + [9]  # the worker appends its sampled token
+    plan = worker_pb2.StepPlan(
+        running=[worker_pb2.RunningRequest(request_id="a", new_block_ids=[4], num_scheduled_tokens=1)]
+    )
+    s.apply(plan)
+    assert a.block_ids == [7, 2, 4]
+    assert s.apply(worker_pb2.StepPlan(finished_ids=["a"])) == [] and s.requests == {}
+
+
+def test_resumed_request_keeps_outputs_for_sampling():
+    s = states()
+    (r,) = s.apply(worker_pb2.StepPlan(new_requests=[new("r", [5, 6, 7, 8, 9], [0, 1], computed=4, prompt=3)]))
+    assert r.num_prompt_tokens == 3 and r.sampling.num_output_tokens == 2 and r.num_scheduled_tokens == 1
+
+
+def test_finished_ids_are_dropped_before_new_requests():
+    s = states()
+    s.apply(worker_pb2.StepPlan(new_requests=[new("a", [1, 2], [0])]))
+    (a,) = s.apply(worker_pb2.StepPlan(finished_ids=["a"], new_requests=[new("a", [1, 2, 3], [1])]))
+    assert a.token_ids == [1, 2, 3] and a.block_ids == [1]
+
+
+@pytest.mark.parametrize(
+    ("plan", "field"),
+    [
+        (worker_pb2.StepPlan(running=[worker_pb2.RunningRequest(request_id="x", num_scheduled_tokens=1)]), "running"),
+        (worker_pb2.StepPlan(new_requests=[new("b", [1, 2, 3], [0])]), "request_id"),  # already known
+        (worker_pb2.StepPlan(new_requests=[new("c", [1, 2, 3, 4, 5], [0])]), "block_ids"),  # 1 block, 5 tokens
+        (worker_pb2.StepPlan(new_requests=[new("c", [1, 2], [10])]), "block_ids"),  # past the cache
+        (worker_pb2.StepPlan(new_requests=[new("c", [1, 200], [0])]), "token_ids"),  # past the vocabulary
+        (worker_pb2.StepPlan(new_requests=[new("c", [1, 2], [0], scheduled=3)]), "num_scheduled_tokens"),
+        (worker_pb2.StepPlan(new_requests=[new("c", [1, 2], [0], scheduled=0)]), "num_scheduled_tokens"),
+        (worker_pb2.StepPlan(new_requests=[new("c", [1] * 33, list(range(9)))]), "num_scheduled_tokens"),  # > max len
+        (worker_pb2.StepPlan(new_requests=[new("c", [1, 2], [0], prompt=0)]), "num_prompt_tokens"),
+    ],
+)
+def test_bad_plans_are_rejected_whole(plan, field):
+    s = states()
+    s.apply(worker_pb2.StepPlan(new_requests=[new("b", [1, 2], [3])]))
+    plan.new_requests.append(new("ok", [1, 2], [4]))
+    with pytest.raises(InvalidArgument) as err:
+        s.apply(plan)
+    assert field in err.value.field
+    assert sorted(s.requests) == ["b"]  # nothing of the bad plan was applied
