@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from services.common import config as cfg
+from services.common.logs import disable_progress_bars
 
 # subcommand -> (module with `main(config) -> int`, config sections it takes, help)
 SERVICES = {
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in str(e).splitlines():
             print(f"kvgrid {args.command}: {line}", file=sys.stderr)
         return 2
+    if config.observability is not None and config.observability.log_format == "json":
+        disable_progress_bars()
     return _load(module, args.command).main(config) or 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 
@@ -32,6 +33,12 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
+def disable_progress_bars() -> None:
+    """Progress bars (tqdm, e.g. while weights load) are not log lines. tqdm reads TQDM_* variables when it
+    is first imported, so call this before importing a service (torch imports tqdm)."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
+
 def setup_logging(service: str, level: str = "info", fmt: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
@@ -41,6 +48,7 @@ def setup_logging(service: str, level: str = "info", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    logging.captureWarnings(True)  # warnings become log lines in the chosen format
     logging.getLogger("grpc").setLevel(logging.WARNING)
 
 

@@ -1,7 +1,7 @@
 """The real stack as separate processes (`python -m kvgrid.cli worker|scheduler|tokenizer`), one log file each.
 
 Two frontends share the scheduler, as stateless replicas do: one logs text, one
-logs JSON (the scheduler logs JSON too). Start-up goes scheduler and frontends
+logs JSON (the scheduler and the worker log JSON too). Start-up goes scheduler and frontends
 first, worker last, recording what each health endpoint says on the way, so the
 tests can check the transitions without racing the model load.
 """
@@ -90,6 +90,7 @@ class ObservedStack:
         self.ports = dict(zip(names, free_ports(len(names)), strict=True))
         p = self.ports
         worker_flags = ["--dtype", "float32", "--kv-cache-memory", KV_CACHE_MEMORY, "--max-model-len", MAX_MODEL_LEN]
+        worker_flags += ["--log-format", "json"]
         worker_flags += ["--worker-port", p["worker"], "--worker-metrics-port", p["worker_metrics"]]
         self.worker = self._proc("worker", "worker", worker_flags)
         scheduler_flags = ["--max-model-len", MAX_MODEL_LEN, "--log-format", "json", "--worker-addr", self.worker_addr]
