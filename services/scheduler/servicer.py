@@ -33,8 +33,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             # Runs on normal end, on error, and when the caller cancels (the request is then aborted).
             if stream is not None:
                 self._engine.release(stream)
-                span.set_attribute("kvgrid.output_tokens", stream.request.num_output_tokens)
-                span.set_attribute("kvgrid.finish", stream.request.status.value)
+                request = stream.request
+                span.set_attribute("kvgrid.output_tokens", request.num_output_tokens)
+                span.set_attribute("kvgrid.finish", request.status.value)
+                span.set_attribute("kvgrid.num_preemptions", request.num_preemptions)
+                span.set_attribute("kvgrid.num_cached_tokens", max(request.num_cached_tokens, 0))
             span.end()
 
     @grpc_errors
