@@ -140,7 +140,7 @@ def test_metrics_count_what_the_clients_saw(stack):
         assert samples.label_values("model") == {model}
 
 
-def test_kv_cache_usage_rises_while_requests_run_and_a_tiny_cache_preempts(stack):
+def test_kv_cache_usage_rises_while_requests_run_and_a_tiny_cache_preempts(stack, collector):
     before, stats_before = scrape_all(stack), stats(stack)
     observed: list[tuple[float, float]] = []  # (kv usage, running) from scrapes taken while the requests ran
     running = threading.Event()
@@ -176,6 +176,25 @@ def test_kv_cache_usage_rises_while_requests_run_and_a_tiny_cache_preempts(stack
     ttft = "kvgrid_time_to_first_token_seconds_count"
     assert after["tokenizer"].get(ttft) - before["tokenizer"].get(ttft) == len(prompts)
 
+    # In the traces, each request's scheduler span counts its preemptions, and the worker held the request once
+    # more per preemption: a new worker span each time it was admitted again, all in the request's one trace.
+    def traced():
+        found = {
+            rid: (spans_named(collector, rid, "scheduler.submit"), spans_named(collector, rid, "worker.request"))
+            for rid in prompts
+        }
+        complete = all(
+            len(submit) == 1 and len(held) >= submit[0].attributes["kvgrid.num_preemptions"] + 1
+            for submit, held in found.values()
+        )
+        return found if complete else None
+
+    found = wait_for(traced, 30, "the spans of every request")
+    for (submit,), held in found.values():
+        assert len(held) == submit.attributes["kvgrid.num_preemptions"] + 1
+        assert {span.trace_id for span in held} == {submit.trace_id}
+    assert sum(submit.attributes["kvgrid.num_preemptions"] for (submit,), _ in found.values()) == num_preempted
+
 
 def test_prefix_cache_hits_rise_for_a_repeated_prompt(stack):
     prompt = unique_prompt(30)
@@ -192,6 +211,10 @@ def test_prefix_cache_hits_rise_for_a_repeated_prompt(stack):
     assert (h1 - h0, first.cached_prompt_tokens) == (0, 0)
     assert h2 - h1 == expected == second.cached_prompt_tokens
     assert first.token_ids == second.token_ids
+
+
+def spans_named(collector: OtlpCollector, request_id: str, name: str) -> list:
+    return [s for s in collector.spans() if s.name == name and s.attributes.get("kvgrid.request_id") == request_id]
 
 
 def spans_of(collector: OtlpCollector, request_id: str, num: int = 3):
