@@ -323,9 +323,13 @@ def test_health_follows_a_killed_and_restarted_worker(stack):
     wait_for(lambda: grpc_health(stack.scheduler_addr) == "NOT_SERVING", 60, "the scheduler to notice")
     wait_for(lambda: frontend.http_health() == 503, 60, "the frontend's /health to follow")
     assert grpc_health(frontend.addr) == "NOT_SERVING"
+    unavailable = scrape(frontend.http_port).get("kvgrid_requests_total", status="unavailable")
     with pytest.raises(grpc.RpcError) as refused:
         generate(frontend.addr, "hello", 2, "no-worker")
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    # a refused request is counted and logged with its status too
+    wait_for(lambda: "request no-worker done: unavailable" in frontend.proc.log(), 30, "the refusal's log line")
+    assert scrape(frontend.http_port).get("kvgrid_requests_total", status="unavailable") == unavailable + 1
 
     stack.worker.start()
     wait_for(lambda: grpc_health(stack.scheduler_addr) == "SERVING", 420, "the scheduler to serve again", 0.5)
