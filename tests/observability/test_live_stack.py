@@ -2,7 +2,7 @@
 
 One stack (real worker with the default model in float32, scheduler, two
 frontends, each its own process) serves the whole module; tests run in file
-order and the last one kills and restarts the worker. Checks compare values
+order: the last two kill and restart the worker, then stop the scheduler. Checks compare values
 with what the clients saw, as deltas between scrapes.
 """
 
@@ -338,3 +338,12 @@ def test_health_follows_a_killed_and_restarted_worker(stack):
     assert generate(frontend.addr, unique_prompt(3), 2, "after-restart").finish_reason == "length"
     handshake = scheduler_call(stack, "GetWorkerInfo", scheduler_pb2.GetWorkerInfoRequest())
     assert scrape(stack.ports["worker_metrics"]).get("kvgrid_worker_num_blocks") == handshake.num_blocks
+
+
+def test_frontends_stop_serving_when_the_scheduler_stops(stack):
+    frontend = stack.text
+    assert frontend.http_health() == 200
+    assert stack.scheduler.terminate() == 0
+    wait_for(lambda: frontend.http_health() == 503, 60, "the frontend's /health to follow the scheduler")
+    assert grpc_health(frontend.addr) == "NOT_SERVING"
+    frontend.proc.check_alive()  # it waits for a scheduler to come back
