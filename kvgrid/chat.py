@@ -96,7 +96,9 @@ def main(argv: list[str]) -> int:
                 answer = reply(stub, conversation, args, sys.stdout)
             except grpc.RpcError as err:
                 conversation.messages.pop()
-                print(f"\nkvgrid chat: {describe_error(err, args.addr)}", file=sys.stderr)
+                if interactive:
+                    print()
+                print(f"kvgrid chat: {describe_error(err, args.addr)}", file=sys.stderr)
                 if err.code() == grpc.StatusCode.UNAVAILABLE:
                     return 1
                 continue
