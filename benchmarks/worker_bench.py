@@ -7,7 +7,10 @@ kvgrid side: the worker's ModelRunner driven directly (no gRPC): each request is
 paged KV cache plus batched sampling. Hugging Face side: ``generate`` on a [batch, prompt] tensor
 with greedy decoding and no early stop; its decode time is the time for ``steps + 1`` new tokens
 minus the time for 1 (the prefill and the first token). Both load the default SmolLM2 GGUF.
-Prints a markdown table and writes JSON to ``benchmarks/results/worker_bench.json``.
+Hugging Face reads the GGUF with its own reader (in transformers 5 it may keep the weights packed
+and dequantize inside its matmuls). On a CPU without bfloat16 units kvgrid multiplies bf16 weights
+in float32 (see ``services.worker.models.llama.Linear``); ``--dtype auto`` picks float32 there.
+Prints a markdown table and writes JSON to ``benchmarks/results/worker_bench_<dtype>.json``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from services.worker.engine import create_runner, load_model  # noqa: E402
 from services.worker.sampling_params import RequestSampling  # noqa: E402
 from services.worker.state import RequestState  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "worker_bench.json")
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "worker_bench_{dtype}.json")
 BLOCK_SIZE = 16
 
 
@@ -128,8 +131,9 @@ def main() -> None:
         hf_text = f"{hf_rate:.1f}" if hf_rate else "-"
         ratio_text = f"{ratio:.2f}x" if ratio else "-"
         print(f"| {b} | {ours[b]:.1f} | {hf_text} | {ratio_text} |")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
+    results = RESULTS.format(dtype=args.dtype)
+    os.makedirs(os.path.dirname(results), exist_ok=True)
+    with open(results, "w") as f:
         json.dump(
             {
                 "benchmark": "worker_decode",
@@ -145,7 +149,7 @@ def main() -> None:
             f,
             indent=2,
         )
-    print(f"\nwrote {RESULTS}")
+    print(f"\nwrote {results}")
 
 
 if __name__ == "__main__":
