@@ -92,7 +92,10 @@ def load_model(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     hf_config, args = read_config(source)
-    backend = get_backend(attention_backend, str(torch_device))
+    try:
+        backend = get_backend(attention_backend, str(torch_device))
+    except (RuntimeError, ValueError, ImportError) as exc:  # e.g. TritonUnavailable: triton on a CPU
+        raise ModelLoadError(f"--attention-backend {attention_backend}: {exc}") from exc
     model = build_model(source, hf_config, args, backend, torch_dtype, torch_device)
     if upcast_matmuls is None:
         upcast_matmuls = torch_device.type == "cpu" and torch_dtype != torch.float32 and not cpu_has_native_bf16()

@@ -46,10 +46,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     @grpc_errors
     async def Execute(self, request_iterator, context):
         core = self._ready()
-        seed = core.seed
+        seed, eos = core.seed, tuple(core.handshake.eos_token_ids)
 
         def make_sampling(params, prompt, outputs) -> RequestSampling:
-            return RequestSampling.create(params, prompt, outputs, default_seed=seed)
+            # EOS (unless ignore_eos) and stop tokens are banned until min_tokens have been generated.
+            return RequestSampling.create(params, prompt, outputs, default_seed=seed, eos_token_ids=eos)
 
         states = RequestStates(
             core.runner.block_size, core.runner.num_blocks, core.vocab_size, core.max_model_len, make_sampling

@@ -54,3 +54,12 @@ def test_corrupt_safetensors_and_unsupported_architecture(tmp_path):
     (gpt2 / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
     (gpt2 / "model.safetensors").write_bytes(b"")
     assert "'GPT2LMHeadModel' is not supported" in _one_error_line(_run_worker("--model", str(gpt2)))
+
+
+def test_triton_backend_on_cpu_is_refused_in_one_line():
+    env_without_interpreter = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "kvgrid.cli", "worker", "--device", "cpu", "--attention-backend", "triton"]
+    cmd += ["--worker-port", "0", "--worker-metrics-port", "0", "--host", "127.0.0.1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env_without_interpreter)
+    line = _one_error_line(proc)
+    assert "--attention-backend triton" in line and "--attention-backend torch" in line

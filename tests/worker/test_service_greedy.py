@@ -87,6 +87,23 @@ def test_second_stream_starts_empty(core_fp32, reference):
     asyncio.run(_generate(worker_config("float32"), core_fp32, prompt, chunk=64, extra=reconnect))
 
 
+def test_min_tokens_bans_eos_until_reached(core_fp32, reference):
+    _, tokenizer = reference
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi!"}], add_generation_prompt=True, tokenize=False
+    )
+    prompt = [tokenizer(chat)["input_ids"]]
+    eos = set(core_fp32.handshake.eos_token_ids)
+    config = worker_config("float32")
+    _, (free,) = asyncio.run(_generate(config, core_fp32, prompt, chunk=64))
+    assert eos & set(free.outputs[:12]), "premise: unconstrained greedy ends its short answer early"
+    banned = common_pb2.SamplingParams(min_tokens=MAX_TOKENS)
+    _, (held,) = asyncio.run(_generate(config, core_fp32, prompt, chunk=64, sampling=banned))
+    assert not eos & set(held.outputs), tokenizer.decode(held.outputs)
+    first_eos = min(i for i, t in enumerate(free.outputs) if t in eos)
+    assert held.outputs[:first_eos] == free.outputs[:first_eos]
+
+
 @pytest.mark.slow  # bfloat16 matmuls are emulated on CPUs without AVX512-BF16: minutes on 2 cores
 def test_greedy_bfloat16_within_top5(reference):
     """Where bf16 rounding flips a near-tie, each side's token is in the other's top 5 (then they diverge)."""
