@@ -1,0 +1,34 @@
+"""Run every benchmark in turn (``make bench``); each prints its own table and writes JSON to ``benchmarks/results/``.
+
+Benchmarks are measurements, never tests: nothing here asserts a timing. Each number that the
+README quotes is a ratio against a baseline measured in the same run (Hugging Face ``generate``
+for the worker, the torch backend for the Triton kernels).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+BENCHMARKS = [
+    ["benchmarks.scheduler_bench"],
+    ["benchmarks.sampling_bench", "--threads", "2"],
+    ["benchmarks.worker_bench", "--dtype", "bfloat16"],
+    ["benchmarks.worker_bench", "--dtype", "float32"],
+    ["benchmarks.attention_bench"],  # CUDA only; says so and exits 0 elsewhere
+]
+
+
+def main() -> int:
+    failed = []
+    for argv in BENCHMARKS:
+        print(f"\n=== python -m {' '.join(argv)}", flush=True)
+        if subprocess.run([sys.executable, "-m", *argv]).returncode != 0:
+            failed.append(argv[0])
+    if failed:
+        print(f"\nfailed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
