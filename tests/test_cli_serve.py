@@ -13,6 +13,7 @@ import pytest
 
 from kvgrid import serve
 from services.common import config as cfg
+from tests.procs import free_ports
 
 # A stand-in service: gRPC health SERVING on the given port until terminated.
 FAKE_SERVICE = """
@@ -29,16 +30,6 @@ server.start()
 while True:
     time.sleep(1)
 """
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for sock in socks:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in socks]
-    for sock in socks:
-        sock.close()
-    return ports
 
 
 def parse(argv: list[str]) -> cfg.Config:

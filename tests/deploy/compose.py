@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
-import socket
 from pathlib import Path
 
 import yaml
+
+from tests.procs import free_port  # noqa: F401 - re-exported for the deploy tests
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -59,12 +60,6 @@ def container_ports(service: dict) -> set[int]:
     for spec in service.get("ports") or []:
         found.add(int(str(spec).split(":")[-1].split("/")[0]))
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def localize(

@@ -6,7 +6,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvgrid.v1 import generate_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.procs import free_ports, terminate  # noqa: F401 - free_ports re-exported
 
 PORT_FLAGS = (
     "--tokenizer-port",
@@ -26,18 +26,6 @@ PORT_FLAGS = (
 )
 READY_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 40.0
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct ports that were free a moment ago (bound together so none repeats)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def child_env() -> dict[str, str]:
@@ -94,14 +82,7 @@ class Stack:
         """SIGTERM serve and wait; returns its exit code (SIGKILL after the timeout)."""
         if self.process is None:
             return 0
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return terminate(self.process, timeout)
 
     def stop(self) -> None:
         self.terminate()

@@ -9,13 +9,13 @@ tests can check the transitions without racing the model load.
 from __future__ import annotations
 
 import pathlib
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 
 from tests.e2e.stack import free_ports
 from tests.observability.probes import grpc_health, http_get, wait_for
+from tests.procs import terminate
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # 24 float32 blocks of 16 tokens (737,280 bytes each for SmolLM2): 384 tokens, so 4 requests of 120 tokens preempt.
@@ -51,14 +51,7 @@ class Proc:
             self.process.wait()
 
     def terminate(self, timeout: float = 30.0) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return terminate(self.process, timeout)
 
 
 @dataclass

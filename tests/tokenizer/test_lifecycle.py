@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,18 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from services.common.server import SERVING
+from tests.procs import free_port
 from tests.tokenizer.conftest import LoopThread, frontend_config, handshake, wait_until
 from tests.tokenizer.fake_scheduler import Script, start_fake_scheduler
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HI = [generate_pb2.ChatMessage(role="user", content="hi")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def with_template(files: dict[str, bytes], template: str) -> dict[str, bytes]:
