@@ -55,14 +55,14 @@ class OutputProcessor:
         if self.finished:
             return None
         token_ids = list(delta.token_ids)
-        self.num_output_tokens += len(token_ids)
+        logprobs = list(delta.logprobs)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        # Like EOS, a stop string cannot end the request before min_tokens tokens.
-        match = self.num_output_tokens > self._min_tokens
-        text = self._stops.push(self._detokenizer.push(token_ids), match)
+        text, num_kept = self._push_tokens(token_ids)
+        # Tokens after the one that completed a stop string are not part of the output (text, ids, usage alike).
+        del token_ids[num_kept:], logprobs[num_kept:]
         finish = FINISH_REASONS.get(delta.finish_reason, "")
         if finish and not self._stops.stopped:
-            text += self._stops.push(self._detokenizer.flush(), match)
+            text += self._stops.push(self._detokenizer.flush(), self._may_stop())
             text += self._stops.flush()
         if self._stops.stopped:
             finish = "stop"
@@ -72,12 +72,30 @@ class OutputProcessor:
         if not (token_ids or text or finish):
             return None
         out = generate_pb2.GenerateResponse(text=text, token_ids=token_ids, request_id=self.request_id)
-        for logprob in delta.logprobs:
+        for logprob in logprobs:
             out.logprobs.append(self._named_logprob(logprob))
         if finish:
             out.finish_reason = finish
             out.usage.CopyFrom(self.usage())
         return out
+
+    def _may_stop(self) -> bool:
+        # Like EOS, a stop string cannot end the request before min_tokens tokens.
+        return self.num_output_tokens > self._min_tokens
+
+    def _push_tokens(self, token_ids: list[int]) -> tuple[str, int]:
+        """The text safe to emit for ``token_ids`` and how many of them to keep: all of them, or those up to and
+        including the one that completed a stop string (a delta may carry several tokens)."""
+        if not self._stops.has_stops:
+            self.num_output_tokens += len(token_ids)
+            return self._detokenizer.push(token_ids), len(token_ids)
+        text = ""
+        for i, token_id in enumerate(token_ids):
+            self.num_output_tokens += 1
+            text += self._stops.push(self._detokenizer.push([token_id]), self._may_stop())
+            if self._stops.stopped:
+                return text, i + 1
+        return text, len(token_ids)
 
     def usage(self) -> common_pb2.Usage:
         return common_pb2.Usage(

@@ -15,6 +15,10 @@ class StopStringMatcher:
         self.stopped = False
         self.matched: str | None = None
 
+    @property
+    def has_stops(self) -> bool:
+        return bool(self._stops)
+
     def push(self, text: str, match: bool = True) -> str:
         """Add a text delta; returns the part that is safe to emit. Sets ``stopped`` on a match.
 

@@ -127,6 +127,21 @@ def test_stop_strings_apply_only_after_min_tokens(stack, smollm):
     assert responses[-1].usage.completion_tokens == 4
 
 
+def test_stop_string_inside_a_multi_token_delta_drops_the_tokens_after_it(stack, smollm):
+    # A slow reader gets several tokens per scheduler message; those after the stop string are not output.
+    ids = smollm.hf("one END two three four", add_special_tokens=False)["input_ids"]
+    num_kept = next(k for k in range(1, len(ids) + 1) if "END" in smollm.hf.decode(ids[:k]))
+    assert num_kept < len(ids)
+    stack.fake.script = Script(deltas=[ids], hang=True, logprobs=True)
+    sampling = common_pb2.SamplingParams(stop=["END"], logprobs=1)
+    responses = generate(stack, prompt="hi", sampling=sampling)
+    text, token_ids = joined(responses)
+    assert text == "one " and responses[-1].finish_reason == "stop"
+    assert token_ids == ids[:num_kept]
+    assert [lp.token_id for r in responses for lp in r.logprobs] == token_ids
+    assert responses[-1].usage.completion_tokens == num_kept
+
+
 @pytest.mark.parametrize("include", [False, True])
 def test_special_tokens_skipped_unless_asked(stack, smollm, include):
     ids = smollm.hf("Sure!<|im_end|>", add_special_tokens=False)["input_ids"]
