@@ -144,7 +144,10 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             async for delta in call:
                 out = output.process(delta)
                 if output.stopped_by_string and not upstream_done:
-                    self._end_upstream(call, request_id)  # free the scheduler's blocks before answering
+                    # Awaited before answering: once the client sees the end, the scheduler holds nothing under
+                    # this id, so a request reusing it at once is neither refused nor hit by a late Abort.
+                    call.cancel()
+                    await self._link.abort(request_id)
                     upstream_done = True
                 upstream_done = upstream_done or output.finished_upstream
                 if out is not None:

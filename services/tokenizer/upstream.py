@@ -89,11 +89,12 @@ class SchedulerLink:
 
     def abort_later(self, request_id: str) -> None:
         """Send Abort without waiting (also from a cancelled handler, whose own awaits would be cancelled)."""
-        task = asyncio.get_running_loop().create_task(self._abort(request_id))
+        task = asyncio.get_running_loop().create_task(self.abort(request_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str) -> None:
+        """Abort at the scheduler and wait for its answer; a failure is logged, not raised."""
         try:
             await self.stub.Abort(scheduler_pb2.AbortRequest(request_id=request_id), timeout=ABORT_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:

@@ -33,6 +33,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.submit_metadata: list[dict[str, str]] = []
         self.aborts: list[str] = []
         self.cancelled: list[str] = []  # Submit calls the caller cancelled
+        self.abort_delay_s = 0.0  # pause before an Abort takes effect (a busy scheduler)
         self.info_calls = 0
 
     async def Submit(self, request, context):
@@ -68,6 +69,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
             raise
 
     async def Abort(self, request, context):
+        if self.abort_delay_s:
+            await asyncio.sleep(self.abort_delay_s)
         self.aborts.append(request.request_id)
         return scheduler_pb2.AbortResponse(found=True)
 

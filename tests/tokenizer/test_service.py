@@ -100,6 +100,21 @@ def test_stop_string_across_tokens_is_excluded_and_aborts_upstream(stack, smollm
     wait_until(lambda: "stop-1" in stack.fake.cancelled, what="the Submit call to be cancelled")
 
 
+def test_a_stop_string_end_is_answered_only_once_the_scheduler_dropped_the_request(stack, smollm):
+    # Otherwise a client reusing the request id at once could have its next request aborted by the late Abort.
+    ids = smollm.hf("one END two", add_special_tokens=False)["input_ids"]
+    stack.fake.script = Script(deltas=[[t] for t in ids], hang=True)
+    stack.fake.abort_delay_s = 0.3
+    try:
+        responses = generate(
+            stack, prompt="hi", request_id="stop-reuse", sampling=common_pb2.SamplingParams(stop=["END"])
+        )
+        assert responses[-1].finish_reason == "stop"
+        assert "stop-reuse" in stack.fake.aborts
+    finally:
+        stack.fake.abort_delay_s = 0.0
+
+
 def test_stop_string_prefix_is_held_back_until_disambiguated(stack, smollm):
     # "ST" could start "STOP": held back; "STAR" shows it does not, so it is released.
     pieces = ["Go", " ST", "AR", " now"]
