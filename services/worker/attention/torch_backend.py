@@ -32,7 +32,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self._plan_for is not meta:
-            self._plan, self._plan_for = _DecodePlan.build(meta, k_cache.shape[1]), meta
+            self._plan, self._plan_for = _DecodePlan.build(meta, k_cache.shape[1], query.dtype), meta
         plan = self._plan
         if plan.num_seqs == meta.num_seqs:
             return _decode(query, k_cache, v_cache, plan, scale)
@@ -57,21 +57,24 @@ class _DecodePlan:
 
     num_seqs: int
     block_ids: torch.Tensor  # [B * M] int64, the block tables of the B decodes, M blocks each
-    mask: torch.Tensor  # [B, 1, 1, M * block_size] bool, True for positions inside the sequence
+    # [B, 1, 1, M * block_size] additive, 0 inside the sequence and -inf past it: SDPA on CPU turns a
+    # bool mask into this form on every call (twice the cost of the attention itself at batch 1).
+    mask: torch.Tensor
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int) -> _DecodePlan:
+    def build(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _DecodePlan:
         num_seqs = 0
         for q_len in meta.query_lens_cpu:
             if q_len != 1:
                 break
             num_seqs += 1
         if num_seqs == 0:
-            return cls(0, meta.slot_mapping[:0], meta.slot_mapping[:0].bool())
+            return cls(0, meta.slot_mapping[:0], meta.slot_mapping[:0].to(dtype))
         max_blocks = -(-max(meta.seq_lens_cpu[:num_seqs]) // block_size)
         block_ids = meta.block_tables[:num_seqs, :max_blocks].reshape(-1).long()
         positions = torch.arange(max_blocks * block_size, device=block_ids.device)
-        mask = (positions[None, :] < meta.seq_lens[:num_seqs, None]).view(num_seqs, 1, 1, -1)
+        outside = (positions[None, :] >= meta.seq_lens[:num_seqs, None]).view(num_seqs, 1, 1, -1)
+        mask = torch.zeros(outside.shape, dtype=dtype, device=block_ids.device).masked_fill_(outside, float("-inf"))
         return cls(num_seqs, block_ids, mask)
 
 
