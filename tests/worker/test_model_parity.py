@@ -125,3 +125,19 @@ def test_bfloat16_upcast_matmuls_match_native(tmp_path):
         logits[upcast] = run_logits(runner, [request("a", tokens, [3, 1, 6], 0, 12)])["a"].float()
     torch.testing.assert_close(logits[True], logits[False], atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(logits[True], ref, atol=6e-2, rtol=6e-2)
+
+
+def test_upcast_float32_copies_equal_per_call_conversion(tmp_path):
+    """The float32 weight copies kept by set_upcast_matmuls give exactly the per-call conversion's logits."""
+    path = save_tiny_model(str(tmp_path / "m"), "llama")
+    tokens = torch.randint(0, 160, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    logits = {}
+    for limit in (0, 2**30):
+        loaded = load_model(path, dtype="bfloat16", device="cpu", attention_backend="torch", upcast_matmuls=True)
+        loaded.model.set_upcast_matmuls(True, float32_copy_limit=limit)
+        kept = loaded.model.layers[0].self_attn.qkv_proj.weight_f32
+        assert (kept is not None) == (limit > 0)
+        assert (loaded.model.logits_weight_f32 is not None) == (limit > 0)
+        runner = create_runner(loaded, block_size=4, num_blocks=8)
+        logits[limit] = run_logits(runner, [request("a", tokens, [3, 1, 6], 0, 12)])["a"]
+    torch.testing.assert_close(logits[2**30], logits[0], atol=0, rtol=0)

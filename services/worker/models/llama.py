@@ -22,6 +22,7 @@ from ..attention.base import AttentionBackend, AttentionMetadata
 from .rope import apply_rotary, cos_sin_tables
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+FLOAT32_COPY_LIMIT = 2**30  # bytes of float32 weight copies set_upcast_matmuls may keep
 
 
 @dataclass(slots=True)
@@ -83,16 +84,18 @@ class Linear(nn.Linear):
     the same products (each half-precision value is exact in float32, the GEMM accumulates in
     float32 either way) rounded once to the output dtype; weights and the KV cache stay in half
     precision. A single row (one decode at batch 1) is memory-bound and stays native.
+    ``weight_f32`` is a float32 copy made once (see ``LlamaForCausalLM.set_upcast_matmuls``); without
+    it the weight is converted on every call, which costs more than the product at small batches.
     """
 
     upcast: bool = False
+    weight_f32: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (
-            upcast_linear(x, self.weight, self.bias)
-            if self.upcast and x.shape[0] > 1
-            else F.linear(x, self.weight, self.bias)
-        )
+        if self.upcast and x.shape[0] > 1:
+            weight = self.weight.float() if self.weight_f32 is None else self.weight_f32
+            return upcast_linear(x, weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -184,6 +187,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, bias=False)
         self.cos: torch.Tensor | None = None  # [max_positions, D], see rope.cos_sin_tables
         self.upcast_matmuls = False
+        self.logits_weight_f32: torch.Tensor | None = None  # float32 copy of the logits weight, see set_upcast_matmuls
         self.sin: torch.Tensor | None = None
 
     def init_rope(self) -> None:
@@ -212,15 +216,28 @@ class LlamaForCausalLM(nn.Module):
         normed, _ = self.norm(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.upcast_matmuls and normed.shape[0] > 1:
-            return F.linear(normed.float(), weight.float())  # float32 logits: the sampler takes any dtype
+            weight = weight.float() if self.logits_weight_f32 is None else self.logits_weight_f32
+            return F.linear(normed.float(), weight)  # float32 logits: the sampler takes any dtype
         return F.linear(normed, weight)
 
-    def set_upcast_matmuls(self, enabled: bool) -> None:
-        """Half-precision weights multiplied in float32 (see ``Linear``); for CPUs without bf16 units."""
+    def set_upcast_matmuls(self, enabled: bool, float32_copy_limit: int = FLOAT32_COPY_LIMIT) -> None:
+        """Half-precision weights multiplied in float32 (see ``Linear``); for CPUs without bf16 units.
+
+        Call after ``load_weights``. When float32 copies of all matmul weights fit in
+        ``float32_copy_limit`` bytes they are made once here (bf16 SmolLM2-135M: 0.5 GiB; at batch 16
+        converting them every step took ~2/3 of the step); larger models convert per call."""
         self.upcast_matmuls = enabled
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.upcast = enabled
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        embed = self.embed_tokens.weight
+        tied = embed.numel() if self.lm_head is None else 0
+        copy_bytes = 4 * (sum(m.weight.numel() for m in linears) + tied)
+        keep_copies = enabled and embed.dtype != torch.float32 and copy_bytes <= float32_copy_limit
+        for module in linears:
+            module.upcast = enabled
+            module.weight_f32 = module.weight.detach().float() if keep_copies else None
+        self.logits_weight_f32 = None
+        if keep_copies:
+            self.logits_weight_f32 = embed.detach().float() if self.lm_head is None else self.lm_head.weight_f32
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the fused parameters; raises on gaps."""
