@@ -7,8 +7,6 @@ from pathlib import Path
 
 import yaml
 
-from tests.procs import free_port  # noqa: F401 - re-exported for the deploy tests
-
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 GPU_COMPOSE_FILE = ROOT / "docker-compose.gpu.yml"

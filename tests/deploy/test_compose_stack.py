@@ -23,6 +23,7 @@ import yaml
 
 from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.deploy import compose
+from tests.procs import free_port
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -52,7 +53,7 @@ class LocalStack:
         self.doc = compose.load()
         self.services = self.doc["services"]
         self.port_map = {
-            (name, port): compose.free_port()
+            (name, port): free_port()
             for name in compose.KVGRID_SERVICES
             for port in compose.container_ports(self.services[name])
         }

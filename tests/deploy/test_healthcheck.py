@@ -8,7 +8,7 @@ import pytest
 
 from kvgrid import healthcheck
 from services.common.server import Health, bind, new_server
-from tests.deploy.compose import free_port
+from tests.procs import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvgrid.v1 import generate_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.procs import free_ports, terminate  # noqa: F401 - free_ports re-exported
+from tests.procs import free_ports, terminate
 
 PORT_FLAGS = (
     "--tokenizer-port",

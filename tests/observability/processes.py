@@ -13,9 +13,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from tests.e2e.stack import free_ports
 from tests.observability.probes import grpc_health, http_get, wait_for
-from tests.procs import terminate
+from tests.procs import free_ports, terminate
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # 24 float32 blocks of 16 tokens (737,280 bytes each for SmolLM2): 384 tokens, so 4 requests of 120 tokens preempt.
