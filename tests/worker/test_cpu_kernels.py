@@ -1,0 +1,200 @@
+"""The native CPU decode kernels equal the torch ops they replace, one by one and as a whole model."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.worker.attention.base import AttentionMetadata
+from services.worker.attention.torch_backend import TorchAttentionBackend
+from services.worker.cpu_kernels import library
+from services.worker.engine import create_runner, load_model
+from services.worker.loader import ModelLoadError
+from services.worker.models.rope import apply_rotary, cos_sin_tables
+from tests.worker.tiny import request, run_logits, save_tiny_model
+
+DTYPES = {"float32": (torch.float32, 0), "bfloat16": (torch.bfloat16, 1)}
+# bf16: the kernels round where torch does, but sum in another order; allow one bf16 step either way.
+TOLERANCE = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 8e-3}}
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return library.load()
+
+
+@pytest.fixture(params=sorted(DTYPES))
+def dtype(request):
+    return DTYPES[request.param]
+
+
+def randn(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 64, 64), (3, 37, 45), (8, 200, 136)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear(lib, dtype, rows, n, k, bias):
+    dt, code = dtype
+    x, w = randn(rows, k, dtype=dt, seed=1), randn(n, k, dtype=dt, seed=2)
+    b = randn(n, dtype=dt, seed=3) if bias else None
+    out = torch.full((rows, n), float("nan"), dtype=dt)
+    lib.kvg_linear(x.data_ptr(), w.data_ptr(), b.data_ptr() if bias else None, out.data_ptr(), n, rows, n, k, code, 0)
+    torch.testing.assert_close(out, F.linear(x, w, b), **TOLERANCE[dt])
+
+
+def test_linear_accumulates_into_strided_rows(lib, dtype):
+    """y += x W^T into every other column: the residual add, rounded as torch rounds it."""
+    dt, code = dtype
+    x, w = randn(2, 48, dtype=dt, seed=4), randn(16, 48, dtype=dt, seed=5)
+    y = randn(2, 32, dtype=dt, seed=6)
+    expected = y.clone()
+    expected[:, :16] = F.linear(x, w).add_(y[:, :16])
+    lib.kvg_linear(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 32, 2, 16, 48, code, 1)
+    torch.testing.assert_close(y, expected, **TOLERANCE[dt])
+
+
+def test_rms_norm_and_silu_mul(lib, dtype):
+    dt, code = dtype
+    x, w = randn(3, 72, dtype=dt, seed=7), randn(72, dtype=dt, seed=8)
+    out = torch.empty_like(x)
+    lib.kvg_rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), 3, 72, 1e-5, code)
+    torch.testing.assert_close(out, F.rms_norm(x, (72,), w, 1e-5), **TOLERANCE[dt])
+    gate_up = randn(3, 2 * 40, dtype=dt, seed=9) * 4
+    act = torch.empty(3, 40, dtype=dt)
+    lib.kvg_silu_mul(gate_up.data_ptr(), act.data_ptr(), 3, 40, code)
+    gate, up = gate_up.split(40, dim=-1)
+    torch.testing.assert_close(act, F.silu(gate) * up, **TOLERANCE[dt])
+
+
+def test_rope_and_cache_write(lib, dtype):
+    dt, code = dtype
+    heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = randn(3, width, dtype=dt, seed=10)
+    cos, sin = cos_sin_tables(head_dim, 10000.0, {}, 64, dt, torch.device("cpu"))
+    positions, slots = torch.tensor([0, 17, 63]), torch.tensor([5, 30, 12])
+    k_cache, v_cache = (torch.zeros(8, block_size, kv_heads, head_dim, dtype=dt) for _ in range(2))
+
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(3, -1, head_dim)
+    expected_qk = apply_rotary(qk, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    expected_v = qkv[:, (heads + kv_heads) * head_dim :].view(3, kv_heads, head_dim).clone()
+
+    lib.kvg_rope_write_kv(
+        qkv.data_ptr(), width, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), 3, heads, kv_heads, head_dim, code,
+    )  # fmt: skip
+    torch.testing.assert_close(qk, expected_qk, **TOLERANCE[dt])
+    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    torch.testing.assert_close(flat_k[slots], expected_qk[:, heads:], **TOLERANCE[dt])
+    assert torch.equal(flat_v[slots], expected_v)
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 16), (4, 4, 32)])
+def test_decode_attention_equals_torch_backend(lib, dtype, heads, kv_heads, head_dim):
+    dt, code = dtype
+    block_size, num_blocks = 4, 40
+    seq_lens = [1, 5, 16, 33]
+    g = torch.Generator().manual_seed(11)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dt)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dt)
+    perm = torch.randperm(num_blocks, generator=g)
+    width = -(-max(seq_lens) // block_size)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(seq_lens):  # scattered blocks, padded rows
+        count = -(-n // block_size)
+        tables[i, :count] = perm[used : used + count].int()
+        used += count
+    query = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dt)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.int64),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        query_lens_cpu=[1] * len(seq_lens),
+        seq_lens_cpu=seq_lens,
+    )
+    scale = head_dim**-0.5
+    expected = TorchAttentionBackend().forward(query, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(query)
+    lib.kvg_decode_attention(
+        query.data_ptr(), heads * head_dim, k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), width,
+        meta.seq_lens.data_ptr(), out.data_ptr(), heads * head_dim, len(seq_lens), heads, kv_heads, head_dim,
+        block_size, scale, code,
+    )  # fmt: skip
+    torch.testing.assert_close(out, expected, **TOLERANCE[dt])
+
+
+@pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {"tie_word_embeddings": True})])
+def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides):
+    """Prefill in torch, then decode steps of three requests: native logits == torch logits, step by step."""
+    dt, _ = dtype
+    path = save_tiny_model(str(tmp_path), kind, **overrides)
+    loaded = load_model(path, dtype=str(dt).removeprefix("torch."), device="cpu", attention_backend="torch")
+    native = loaded.model.cpu_decode
+    assert native is not None, "auto should attach the native kernels on an AVX2 CPU with a C compiler"
+    runner = create_runner(loaded, block_size=4, num_blocks=48)
+    g = torch.Generator().manual_seed(12)
+    lengths, blocks = [3, 9, 14], [list(range(i, 48, 3)) for i in range(3)]  # interleaved blocks
+    requests = [
+        request(f"r{i}", torch.randint(0, 160, (n,), generator=g).tolist(), blocks[i], 0, n)
+        for i, n in enumerate(lengths)
+    ]
+    loaded.model.cpu_decode = None
+    run_logits(runner, requests)  # prefill on the torch path
+    for _step in range(6):
+        for r in requests:
+            r.token_ids.append(int(torch.randint(0, 160, (1,), generator=g)))
+            r.num_scheduled_tokens = 1
+        inputs = runner.prepare(requests)
+        with torch.inference_mode():
+            loaded.model.cpu_decode = None
+            expected = runner.compute_logits(inputs)
+            loaded.model.cpu_decode = native  # rewrites the same cache slots with the same values
+            ours = runner.compute_logits(inputs)
+        assert ours.dtype == dt
+        torch.testing.assert_close(ours.float(), expected.float(), **TOLERANCE[dt])
+        if dt == torch.float32:  # bf16 logits of a random tiny model tie within rounding
+            assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+        for r in requests:
+            r.num_computed_tokens += 1
+            r.num_scheduled_tokens = 0
+
+
+def test_engine_choice(tmp_path, monkeypatch, caplog):
+    path = save_tiny_model(str(tmp_path / "m"))
+    assert load_model(path, dtype="float32", device="cpu", cpu_kernels="torch").model.cpu_decode is None
+    # float16 is not a dtype the kernels take: auto says why and keeps torch, native refuses to start.
+    with caplog.at_level(logging.INFO, logger="services.worker.engine"):
+        assert load_model(path, dtype="float16", device="cpu", cpu_kernels="auto").model.cpu_decode is None
+    assert "native CPU kernels unavailable" in caplog.text and "float16" in caplog.text
+    with pytest.raises(ModelLoadError, match="--cpu-kernels native: .*float16"):
+        load_model(path, dtype="float16", device="cpu", cpu_kernels="native")
+
+    # No working compiler and nothing built yet.
+    monkeypatch.setenv("KVGRID_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", "false")
+    library.load.cache_clear()
+    try:
+        with pytest.raises(ModelLoadError, match="--cpu-kernels native: false failed to build decode_kernels.c"):
+            load_model(path, dtype="float32", device="cpu", cpu_kernels="native")
+        assert load_model(path, dtype="float32", device="cpu", cpu_kernels="auto").model.cpu_decode is None
+    finally:
+        library.load.cache_clear()
+
+
+def test_build_is_cached_per_source(tmp_path, monkeypatch):
+    first = library.build(tmp_path)
+    assert first.parent == tmp_path and first.stat().st_size > 0
+    monkeypatch.setenv("CC", "false")  # a second build would fail: the cached library is reused
+    assert library.build(tmp_path) == first
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary files left behind
