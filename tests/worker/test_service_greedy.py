@@ -61,12 +61,16 @@ def test_handshake(core_fp32, reference):
     assert len(hs.worker_id) == 32 and hs.load_seconds > 0
 
 
-def test_greedy_float32_equals_transformers(core_fp32, reference):
+@pytest.mark.parametrize("cpu_kernels", ["native", "torch"])
+def test_greedy_float32_equals_transformers(core_fp32, reference, cpu_kernels):
+    """Decode steps of up to 16 requests run on the native CPU kernels by default; both paths are held to it."""
     model, tokenizer = reference
     prompts = prompt_ids(tokenizer)
     assert len(prompts) >= 4 and max(len(p) for p in prompts) > 16
+    core = core_fp32 if cpu_kernels == "native" else build_core(worker_config("float32", device__cpu_kernels="torch"))
+    assert (core.runner.model.cpu_decode is not None) == (cpu_kernels == "native")
     # Prefill in chunks of 7 tokens: chunks that do not finish a prompt sample nothing.
-    _, reqs = asyncio.run(_generate(worker_config("float32"), core_fp32, prompts, chunk=7))
+    _, reqs = asyncio.run(_generate(worker_config("float32"), core, prompts, chunk=7))
     for prompt, req in zip(prompts, reqs, strict=True):
         expected, _ = hf_greedy(model, prompt, MAX_TOKENS)
         assert req.outputs == expected, tokenizer.decode(prompt)
