@@ -34,7 +34,7 @@ test: install deploy-tools
 
 # benchmarks and long suites, excluded from `make test`
 test-slow: install
-	$(PY) -m pytest -m "slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "slow" $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no slow tests at present"; else exit $$rc; fi
 
 bench: install
 	$(PY) -m benchmarks.run_all
