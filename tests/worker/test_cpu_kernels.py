@@ -96,11 +96,12 @@ def test_rope_and_cache_write(lib, dtype):
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 16), (4, 4, 32)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 1, 16), (4, 4, 40)])
 def test_decode_attention_equals_torch_backend(lib, dtype, heads, kv_heads, head_dim):
+    """Sequences shorter than one 128-token chunk of the kernel and one split over three, in one batch."""
     dt, code = dtype
-    block_size, num_blocks = 4, 40
-    seq_lens = [1, 5, 16, 33]
+    block_size, num_blocks = 4, 128
+    seq_lens = [1, 5, 300, 16, 33]
     g = torch.Generator().manual_seed(11)
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dt)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dt)

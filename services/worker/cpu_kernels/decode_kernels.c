@@ -220,45 +220,109 @@ void kvg_rope_write_kv(void *qkv, int64_t ldq, const void *cos, const void *sin,
 
 /* ---- attention ------------------------------------------------------------------------------- */
 
+#define CHUNK 128  /* tokens per task: long contexts split across threads (split-KV), merged after */
+#define MAX_GROUP 16  /* query heads per KV head handled with stack buffers */
+
+/* x . y[0:D] with y of dtype dt. */
+INLINE float dot_mixed(const float *x, const void *y, int64_t offset, int D, int dt) {
+    __m256 acc = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= D; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + j), load8(y, offset + j, dt), acc);
+    float s = hsum8(acc);
+    for (; j < D; j++) s += x[j] * load1(y, offset + j, dt);
+    return s;
+}
+
+/* acc[0:D] += p * y[0:D] with y of dtype dt. */
+INLINE void axpy_mixed(float *acc, float p, const void *y, int64_t offset, int D, int dt) {
+    const __m256 pv = _mm256_set1_ps(p);
+    int j = 0;
+    for (; j + 8 <= D; j += 8)
+        _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(pv, load8(y, offset + j, dt), _mm256_loadu_ps(acc + j)));
+    for (; j < D; j++) acc[j] += p * load1(y, offset + j, dt);
+}
+
+/*
+ * Tokens [t0, t1) of one sequence for the G query heads of KV head kvh: writes, per head g,
+ * part[g] = (max score, sum of exp(score - max), sum of exp(score - max) * v[0:D]).
+ */
+INLINE void attention_chunk(const float *qf, const void *k_cache, const void *v_cache, const int32_t *table,
+                            int t0, int t1, int kvh, int KV, int G, int D, int block_size, float scale, float *part,
+                            int dt) {
+    float scores[CHUNK * MAX_GROUP];
+    const int n = t1 - t0;
+    for (int t = t0; t < t1; t++) {
+        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const int64_t row = (slot * KV + kvh) * D;
+        for (int g = 0; g < G; g++) scores[g * CHUNK + (t - t0)] = dot_mixed(qf + g * D, k_cache, row, D, dt) * scale;
+    }
+    for (int g = 0; g < G; g++) {
+        float *s = scores + g * CHUNK, top = -INFINITY, sum = 0.0f;
+        for (int i = 0; i < n; i++) top = s[i] > top ? s[i] : top;
+        for (int i = 0; i < n; i++) sum += (s[i] = expf(s[i] - top));
+        float *out = part + (int64_t)g * (D + 2);
+        out[0] = top, out[1] = sum;
+        memset(out + 2, 0, sizeof(float) * D);
+    }
+    for (int t = t0; t < t1; t++) {
+        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const int64_t row = (slot * KV + kvh) * D;
+        for (int g = 0; g < G; g++) axpy_mixed(part + (int64_t)g * (D + 2) + 2, scores[g * CHUNK + (t - t0)], v_cache, row, D, dt);
+    }
+}
+
 /*
  * One new query token per sequence over its paged cache (decode).
  * q: [B, H, D] (row stride ldq), caches: [num_blocks, block_size, KV, D], block_tables: [B, ldt] int32,
  * seq_lens: [B] int32, out: [B, H, D] (row stride ldo). The G = H / KV query heads of a KV head
- * share its keys and values. Softmax in float32, the output rounded once (as torch's SDPA).
+ * share its keys and values. Each (sequence, KV head, chunk of CHUNK tokens) is a task; the
+ * chunks' partial softmax sums are merged per head. float32 throughout, the output rounded once
+ * (as torch's SDPA). Needs G <= MAX_GROUP.
  */
 void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache,
                           const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, void *out, int64_t ldo,
                           int B, int H, int KV, int D, int block_size, float scale, int dt) {
     const int G = H / KV;
+    int max_len = 0;
+    for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    const int chunks = (max_len + CHUNK - 1) / CHUNK;
+    const int64_t part_size = (int64_t)G * (D + 2);
+    float *parts = malloc(sizeof(float) * B * KV * chunks * part_size);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int task = 0; task < B * KV; task++) {
-        const int b = task / KV, kvh = task % KV, len = seq_lens[b];
-        float *qf = malloc(sizeof(float) * ((int64_t)G * D * 2 + D + (int64_t)G * len));
-        float *acc = qf + G * D, *row = acc + G * D, *scores = row + D;
-        to_f32(q, b * ldq + (int64_t)kvh * G * D, qf, (int64_t)G * D, dt);
-        for (int t = 0; t < len; t++) {
-            const int64_t slot = (int64_t)block_tables[b * ldt + t / block_size] * block_size + t % block_size;
-            to_f32(k_cache, (slot * KV + kvh) * D, row, D, dt);
-            for (int g = 0; g < G; g++) scores[(int64_t)g * len + t] = dot_f32(qf + g * D, row, D) * scale;
+    for (int task = 0; task < B * KV * chunks; task++) {
+        const int b = task / (KV * chunks), kvh = task / chunks % KV, c = task % chunks;
+        const int t0 = c * CHUNK, t1 = t0 + CHUNK < seq_lens[b] ? t0 + CHUNK : seq_lens[b];
+        float *part = parts + (int64_t)task * part_size;
+        if (t0 >= t1) {  /* past this sequence's end: an empty part */
+            for (int g = 0; g < G; g++) part[g * (D + 2)] = -INFINITY, part[g * (D + 2) + 1] = 0.0f;
+            continue;
         }
-        for (int g = 0; g < G; g++) {
-            float *s = scores + (int64_t)g * len, top = -INFINITY, sum = 0.0f;
-            for (int t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
-            for (int t = 0; t < len; t++) sum += (s[t] = expf(s[t] - top));
-            for (int t = 0; t < len; t++) s[t] /= sum;
-        }
-        memset(acc, 0, sizeof(float) * G * D);
-        for (int t = 0; t < len; t++) {
-            const int64_t slot = (int64_t)block_tables[b * ldt + t / block_size] * block_size + t % block_size;
-            to_f32(v_cache, (slot * KV + kvh) * D, row, D, dt);
-            for (int g = 0; g < G; g++) {
-                const float p = scores[(int64_t)g * len + t];
-                float *a = acc + g * D;
-                for (int j = 0; j < D; j++) a[j] += p * row[j];
-            }
-        }
-        for (int g = 0; g < G; g++)
-            for (int j = 0; j < D; j++) store1(out, b * ldo + (int64_t)(kvh * G + g) * D + j, acc[g * D + j], dt);
-        free(qf);
+        float qf[MAX_GROUP * 256 > 4096 ? MAX_GROUP * 256 : 4096];
+        float *qbuf = (int64_t)G * D <= (int64_t)(sizeof(qf) / sizeof(float)) ? qf : malloc(sizeof(float) * G * D);
+        to_f32(q, b * ldq + (int64_t)kvh * G * D, qbuf, (int64_t)G * D, dt);
+        const int32_t *table = block_tables + b * ldt;
+        if (dt == BF16)
+            attention_chunk(qbuf, k_cache, v_cache, table, t0, t1, kvh, KV, G, D, block_size, scale, part, BF16);
+        else
+            attention_chunk(qbuf, k_cache, v_cache, table, t0, t1, kvh, KV, G, D, block_size, scale, part, F32);
+        if (qbuf != qf) free(qbuf);
     }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int head = 0; head < B * H; head++) {
+        const int b = head / H, kvh = head % H / G, g = head % H % G;
+        const float *first = parts + ((int64_t)(b * KV + kvh) * chunks) * part_size + (int64_t)g * (D + 2);
+        float top = -INFINITY, sum = 0.0f;
+        for (int c = 0; c < chunks; c++) top = first[c * part_size] > top ? first[c * part_size] : top;
+        float acc[1024];
+        for (int j = 0; j < D; j++) acc[j] = 0.0f;
+        for (int c = 0; c < chunks; c++) {
+            const float *part = first + c * part_size;
+            if (part[1] == 0.0f) continue;
+            const float w = expf(part[0] - top);
+            sum += part[1] * w;
+            for (int j = 0; j < D; j++) acc[j] += part[2 + j] * w;
+        }
+        for (int j = 0; j < D; j++) store1(out, b * ldo + (int64_t)(kvh * G + g) * D + j, acc[j] / sum, dt);
+    }
+    free(parts);
 }

@@ -36,8 +36,12 @@ class CpuDecodePath:
         dtype = model.embed_tokens.weight.dtype
         if str(dtype).removeprefix("torch.") not in DTYPE_CODES:
             raise ValueError(f"the native CPU kernels take float32 or bfloat16 weights, not {dtype}")
-        if a.head_dim % 2 or a.head_dim > 1024 or a.num_heads % a.num_kv_heads:
-            raise ValueError(f"the native CPU kernels do not take head_dim {a.head_dim} with {a.num_heads} heads")
+        group = a.num_heads // a.num_kv_heads
+        if a.head_dim % 2 or a.head_dim > 1024 or a.num_heads % a.num_kv_heads or group > 16:
+            raise ValueError(
+                f"the native CPU kernels take an even head_dim up to 1024 and up to 16 query heads per KV head,"
+                f" not head_dim {a.head_dim} with {a.num_heads} query and {a.num_kv_heads} KV heads"
+            )
         self.lib, self.model, self.max_seqs = lib, model, max_seqs
         self.dtype, self.code = dtype, DTYPE_CODES[str(dtype).removeprefix("torch.")]
         self.hidden, self.intermediate = a.hidden_size, a.intermediate_size
