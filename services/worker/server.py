@@ -51,7 +51,8 @@ async def start_worker(
     log.info("worker gRPC on %s:%d (loading)", config.network.host, bound)
     try:
         if core is None:
-            core = await asyncio.to_thread(build_core, config, metrics)
+            loop = asyncio.get_running_loop()
+            core = await loop.run_in_executor(servicer.model_thread, build_core, config, metrics)
     except BaseException:
         await server.stop(None)
         servicer.shutdown()
