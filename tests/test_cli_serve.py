@@ -113,22 +113,28 @@ def signals(monkeypatch):
         signal.signal(sig, old)
 
 
-@pytest.mark.timeout(120)
-def test_ready_then_sigterm_stops_every_child(signals, capsys, monkeypatch):
+def supervise_then(after_ready, signals, monkeypatch) -> tuple[int, list]:
+    """Supervise three fake children; once the ready line is out, ``after_ready(children)`` runs."""
     announce = serve.print_ready
 
-    def announce_then_terminate(config, children):
+    def announce_then_act(config, children):
         announce(config, children)
-        os.kill(os.getpid(), signal.SIGTERM)
+        after_ready(children)
 
-    monkeypatch.setattr(serve, "print_ready", announce_then_terminate)
+    monkeypatch.setattr(serve, "print_ready", announce_then_act)
     children = fake_children(free_ports(3))
     for child in children:
         serve.start(child)
     try:
-        assert serve.supervise(parse(["--host", "127.0.0.1"]), children, signals) == 0
+        return serve.supervise(parse(["--host", "127.0.0.1"]), children, signals), children
     finally:
         serve.stop_all(children)
+
+
+@pytest.mark.timeout(120)
+def test_ready_then_sigterm_stops_every_child(signals, capsys, monkeypatch):
+    code, children = supervise_then(lambda _: os.kill(os.getpid(), signal.SIGTERM), signals, monkeypatch)
+    assert code == 0
     out = capsys.readouterr().out
     assert "kvgrid serve: ready" in out and "kvgrid generate" in out and "SIGTERM received" in out
     assert all(c.process.poll() is not None for c in children)
@@ -149,19 +155,7 @@ def test_a_child_that_dies_at_startup_stops_the_others(signals, capsys):
 
 @pytest.mark.timeout(120)
 def test_a_child_that_dies_after_ready_stops_the_others(signals, capsys, monkeypatch):
-    announce = serve.print_ready
-
-    def announce_then_kill_the_worker(config, children):
-        announce(config, children)
-        children[0].process.kill()
-
-    monkeypatch.setattr(serve, "print_ready", announce_then_kill_the_worker)
-    children = fake_children(free_ports(3))
-    for child in children:
-        serve.start(child)
-    try:
-        assert serve.supervise(parse(["--host", "127.0.0.1"]), children, signals) == 1
-    finally:
-        serve.stop_all(children)
+    code, children = supervise_then(lambda children: children[0].process.kill(), signals, monkeypatch)
+    assert code == 1
     assert "the worker was killed by signal SIGKILL; stopping the others" in capsys.readouterr().out
     assert all(c.process.poll() is not None for c in children)

@@ -297,15 +297,14 @@ void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const
             for (int g = 0; g < G; g++) part[g * (D + 2)] = -INFINITY, part[g * (D + 2) + 1] = 0.0f;
             continue;
         }
-        float qf[MAX_GROUP * 256 > 4096 ? MAX_GROUP * 256 : 4096];
-        float *qbuf = (int64_t)G * D <= (int64_t)(sizeof(qf) / sizeof(float)) ? qf : malloc(sizeof(float) * G * D);
-        to_f32(q, b * ldq + (int64_t)kvh * G * D, qbuf, (int64_t)G * D, dt);
+        float *qf = malloc(sizeof(float) * G * D);
+        to_f32(q, b * ldq + (int64_t)kvh * G * D, qf, (int64_t)G * D, dt);
         const int32_t *table = block_tables + b * ldt;
         if (dt == BF16)
-            attention_chunk(qbuf, k_cache, v_cache, table, t0, t1, kvh, KV, G, D, block_size, scale, part, BF16);
+            attention_chunk(qf, k_cache, v_cache, table, t0, t1, kvh, KV, G, D, block_size, scale, part, BF16);
         else
-            attention_chunk(qbuf, k_cache, v_cache, table, t0, t1, kvh, KV, G, D, block_size, scale, part, F32);
-        if (qbuf != qf) free(qbuf);
+            attention_chunk(qf, k_cache, v_cache, table, t0, t1, kvh, KV, G, D, block_size, scale, part, F32);
+        free(qf);
     }
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int head = 0; head < B * H; head++) {

@@ -34,7 +34,8 @@ class CpuDecodePath:
     def __init__(self, model, lib: ctypes.CDLL, max_seqs: int = MAX_SEQS):
         a = model.args
         dtype = model.embed_tokens.weight.dtype
-        if str(dtype).removeprefix("torch.") not in DTYPE_CODES:
+        dtype_name = str(dtype).removeprefix("torch.")
+        if dtype_name not in DTYPE_CODES:
             raise ValueError(f"the native CPU kernels take float32 or bfloat16 weights, not {dtype}")
         group = a.num_heads // a.num_kv_heads
         if a.head_dim % 2 or a.head_dim > 1024 or a.num_heads % a.num_kv_heads or group > 16:
@@ -43,7 +44,7 @@ class CpuDecodePath:
                 f" not head_dim {a.head_dim} with {a.num_heads} query and {a.num_kv_heads} KV heads"
             )
         self.lib, self.model, self.max_seqs = lib, model, max_seqs
-        self.dtype, self.code = dtype, DTYPE_CODES[str(dtype).removeprefix("torch.")]
+        self.dtype, self.code = dtype, DTYPE_CODES[dtype_name]
         self.hidden, self.intermediate = a.hidden_size, a.intermediate_size
         self.heads, self.kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.qkv_width = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
