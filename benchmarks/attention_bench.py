@@ -7,6 +7,7 @@ Decode attention is bound by reading the KV cache, so the figure of merit is ach
 the nominal datasheet figure where the GPU is known, and always a measured device-to-device copy.
 A second scenario mixes prefill chunks with decodes in one step; a third is a small batch over a
 long context, where split-KV (flash decoding, ``num_splits``) should pay off if it ever does.
+Decode scenarios also time PyTorch's fused SDPA over the same K/V stored contiguously.
 Without CUDA it says so and exits 0.
 """
 
@@ -97,6 +98,29 @@ def step_bytes(query: torch.Tensor, k_cache: torch.Tensor, meta) -> int:
     return kv + 2 * query.numel() * query.element_size() + meta.block_tables.numel() * 4
 
 
+def sdpa_baseline(query, k_cache, v_cache, meta, scale):
+    """PyTorch's fused SDPA over the same K/V laid out contiguously per request (what a server without
+    paging holds), for decode steps of equal lengths; the gather into that layout is not timed."""
+    q_lens, seq_lens = meta.query_lens_cpu, meta.seq_lens_cpu
+    if set(q_lens) != {1} or len(set(seq_lens)) != 1:
+        return None
+    batch, ctx = len(seq_lens), seq_lens[0]
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    blocks = meta.block_tables[:, : -(-ctx // block_size)].long()
+
+    def contiguous(cache):  # [B, KVH, ctx, D]
+        return cache[blocks].reshape(batch, -1, num_kv_heads, head_dim)[:, :ctx].transpose(1, 2).contiguous()
+
+    k, v = contiguous(k_cache), contiguous(v_cache)
+    q = query.view(batch, 1, -1, head_dim).transpose(1, 2)  # [B, H, 1, D]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def call():
+        return sdpa(q, k, v, scale=scale, enable_gqa=True).transpose(1, 2).reshape(query.shape)
+
+    return call
+
+
 def run_scenario(name, lens, args, dtype, do_bench, nominal, copy_bw, device="cuda") -> list[Result]:
     from kernels.paged_attention import paged_attention
     from services.worker.attention.torch_backend import TorchAttentionBackend
@@ -119,6 +143,10 @@ def run_scenario(name, lens, args, dtype, do_bench, nominal, copy_bw, device="cu
 
             torch.testing.assert_close(triton_call(), expected, atol=2e-2, rtol=2e-2)
             impls[f"triton n={tile_n} splits={num_splits}"] = triton_call
+    sdpa = sdpa_baseline(query, k_cache, v_cache, meta, scale)
+    if sdpa is not None:
+        torch.testing.assert_close(sdpa(), expected, atol=2e-2, rtol=2e-2)
+        impls["torch SDPA (contiguous KV)"] = sdpa
     results = []
     for impl, fn in impls.items():
         ms = do_bench(fn)

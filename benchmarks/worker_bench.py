@@ -1,18 +1,21 @@
 """Decode throughput of the worker's forward + sample next to Hugging Face ``generate``, same model, same run.
 
     python -m benchmarks.worker_bench [--dtype bfloat16] [--batch-sizes 1,16,64] [--steps 32] [--threads 2]
+    python -m benchmarks.worker_bench --device cuda --batch-sizes 1,64,256 [--model DIR_OR_GGUF]
 
 kvgrid side: the worker's ModelRunner driven directly (no gRPC): each request is prefilled
 (untimed), then ``--steps`` decode steps of the whole batch are timed, each one forward over the
 paged KV cache plus batched sampling. Hugging Face side: ``generate`` on a [batch, prompt] tensor
 with greedy decoding and no early stop; its decode time is the time for ``steps + 1`` new tokens
-minus the time for 1 (the prefill and the first token). Both load the default SmolLM2 GGUF.
+minus the time for 1 (the prefill and the first token). Both load the default SmolLM2 GGUF, or
+``--model`` (an HF directory or GGUF file). On ``--device cuda`` both sides run on the GPU; each
+kvgrid step ends with the sampled ids on the host, so its timing needs no extra synchronisation.
 Hugging Face reads the GGUF with its own reader (in transformers 5 it may keep the weights packed
 and dequantize inside its matmuls). On a CPU without bfloat16 units kvgrid multiplies bf16 weights
 in float32 (see ``services.worker.models.llama.Linear``); ``--dtype auto`` picks float32 there.
 Decode steps of up to ``MAX_SEQS`` requests take the native CPU kernels (``--cpu-kernels``,
 ``services.worker.models.llama_cpu``); for those batch sizes the torch path is measured too.
-Prints a markdown table and writes JSON to ``benchmarks/results/worker_bench_<dtype>.json``.
+Prints a markdown table and writes JSON to ``benchmarks/results/worker_bench_<device>_<dtype>.json``.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from services.worker.engine import create_runner, load_model  # noqa: E402
 from services.worker.sampling_params import RequestSampling  # noqa: E402
 from services.worker.state import RequestState  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "worker_bench_{dtype}.json")
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "worker_bench_{device}_{dtype}.json")
 BLOCK_SIZE = 16
 
 
@@ -73,10 +76,12 @@ def kvgrid_decode(runner, batch: int, prompt_len: int, steps: int, vocab: int) -
 
 def hf_decode(model, batch: int, prompt_len: int, steps: int, vocab: int) -> float:
     g = torch.Generator().manual_seed(batch)
-    ids = torch.randint(0, vocab, (batch, prompt_len), generator=g)
+    ids = torch.randint(0, vocab, (batch, prompt_len), generator=g).to(model.device)
     mask = torch.ones_like(ids)
 
     def run(new_tokens: int) -> float:
+        if ids.is_cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.inference_mode():
             model.generate(
@@ -88,6 +93,8 @@ def hf_decode(model, batch: int, prompt_len: int, steps: int, vocab: int) -> flo
                 eos_token_id=None,
                 pad_token_id=0,
             )
+        if ids.is_cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     run(3)  # warm-up
@@ -105,24 +112,41 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each side, interleaved; medians")
     parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "native", "torch"])
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--model", default="", help="HF directory or GGUF file (default: the embedded SmolLM2)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     dtype = getattr(torch, args.dtype)
+    model_path = args.model or default_model_path()
+    cuda = args.device == "cuda"
 
     loaded = load_model(
-        default_model_path(), dtype=args.dtype, device="cpu", attention_backend="torch", cpu_kernels=args.cpu_kernels
+        model_path,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend="auto" if cuda else "torch",
+        cpu_kernels=args.cpu_kernels,
     )
     vocab = loaded.args.vocab_size
     blocks = max(batches) * -(-(args.prompt_len + args.steps + 1) // BLOCK_SIZE)
     runner = create_runner(loaded, BLOCK_SIZE, blocks, seed=0)
     native = loaded.model.cpu_decode
+    graphs = None
+    if cuda and loaded.model.layers[0].self_attn.backend.name == "triton":  # as the worker does; eager measured too
+        blocks_per_seq = -(-(args.prompt_len + args.steps + 1) // BLOCK_SIZE)
+        runner.use_decode_graphs(max(batches), blocks_per_seq * BLOCK_SIZE)
+        graphs = runner.graphs
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        directory, name = os.path.split(default_model_path())
-        hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype).eval()
+        if os.path.isdir(model_path):
+            hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        else:
+            directory, name = os.path.split(model_path)
+            hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype)
+        hf = hf.to(args.device).eval()
 
     # Memory bandwidth on a shared machine drifts by tens of percent over minutes: the sides
     # are measured in turns, round after round, and compared by their medians.
@@ -135,15 +159,26 @@ def main() -> None:
                 loaded.model.cpu_decode = None
                 rate = kvgrid_decode(runner, b, args.prompt_len, args.steps, vocab)
                 samples.setdefault(("kvgrid_torch_path", b), []).append(rate)
+            if graphs is not None:
+                runner.graphs = None
+                rate = kvgrid_decode(runner, b, args.prompt_len, args.steps, vocab)
+                samples.setdefault(("kvgrid_torch_path", b), []).append(rate)
+                runner.graphs = graphs
             if hf is not None:
                 samples.setdefault(("hf", b), []).append(hf_decode(hf, b, args.prompt_len, args.steps, vocab))
     loaded.model.cpu_decode = native
     median = {key: statistics.median(values) for key, values in samples.items()}
 
     rows = []
-    print(f"\nDecode tokens/s, SmolLM2-135M {args.dtype}, CPU, {args.threads} threads, prompt {args.prompt_len},")
-    print(f"median of {args.rounds} interleaved rounds; native CPU kernels: {'on' if native else 'off'}\n")
-    print("| batch | kvgrid tok/s | kvgrid, torch path | HF generate tok/s | speed-up vs HF |")
+    where = torch.cuda.get_device_name() if cuda else f"CPU, {args.threads} threads"
+    name = os.path.basename(model_path.rstrip("/")) if args.model else "SmolLM2-135M"
+    print(f"\nDecode tokens/s, {name} {args.dtype}, {where}, prompt {args.prompt_len},")
+    print(
+        f"median of {args.rounds} interleaved rounds; native CPU kernels: {'on' if native else 'off'}, "
+        f"CUDA graphs: {'on' if graphs else 'off'}\n"
+    )
+    other = "kvgrid, eager (no CUDA graphs)" if graphs is not None else "kvgrid, torch path"
+    print(f"| batch | kvgrid tok/s | {other} | HF generate tok/s | speed-up vs HF |")
     print("|---:|---:|---:|---:|---:|")
     for b in batches:
         ours, torch_path, theirs = median[("kvgrid", b)], median.get(("kvgrid_torch_path", b)), median.get(("hf", b))
@@ -153,19 +188,21 @@ def main() -> None:
         cells = [f"{ours:.1f}"] + [f"{v:.1f}" if v else "-" for v in (torch_path, theirs)]
         cells.append(f"{ratio:.2f}x" if ratio else "-")
         print(f"| {b} | " + " | ".join(cells) + " |")
-    results = RESULTS.format(dtype=args.dtype)
+    results = RESULTS.format(device=args.device, dtype=args.dtype)
     os.makedirs(os.path.dirname(results), exist_ok=True)
     with open(results, "w") as f:
         json.dump(
             {
                 "benchmark": "worker_decode",
-                "model": "SmolLM2-135M-Instruct Q4_1 GGUF (dequantized)",
+                "model": args.model or "SmolLM2-135M-Instruct Q4_1 GGUF (dequantized)",
+                "device": where,
                 "dtype": args.dtype,
                 "threads": args.threads,
                 "prompt_len": args.prompt_len,
                 "steps": args.steps,
                 "rounds": args.rounds,
                 "native_cpu_kernels": native is not None,
+                "cuda_graphs": graphs is not None,
                 "torch": torch.__version__,
                 "machine": platform.processor() or platform.machine(),
                 "results": rows,

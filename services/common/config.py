@@ -94,6 +94,7 @@ class DeviceConfig:
         ("auto", "native", "torch"),
     )
     num_threads: int = _opt(0, "CPU threads for the worker's math (0: all cores)")
+    enforce_eager: bool = _opt(False, "no CUDA graphs: run every decode step eagerly (CUDA)")
 
     def validate(self) -> list[str]:
         return [f"--num-threads must be >= 0, got {self.num_threads}"] if self.num_threads < 0 else []

@@ -62,6 +62,11 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         seed=config.model.seed,
     )
     runner = create_runner(loaded, block_size, figures.num_blocks, config.model.seed)
+    if loaded.device.type == "cuda" and loaded.model.layers[0].self_attn.backend.name == "triton":
+        if config.device.enforce_eager:
+            log.info("decode steps run eagerly (--enforce-eager): no CUDA graphs")
+        else:
+            runner.use_decode_graphs(config.scheduler.max_num_seqs, max_len)
     log.info(
         "KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
         figures.num_blocks,

@@ -37,6 +37,8 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     load_seconds: float
+    # CUDA: free device memory before the weights were loaded, so profiling counts only this worker's use.
+    cuda_free_at_start: int | None = None
 
     @property
     def weights_bytes(self) -> int:
@@ -95,6 +97,7 @@ def load_model(
     started = time.perf_counter()
     source = resolve_source(model_path, load_format)
     torch_device = resolve_device(device)
+    free_at_start = torch.cuda.mem_get_info(torch_device)[0] if torch_device.type == "cuda" else None
     torch_dtype = resolve_dtype(dtype, torch_device)
     hf_config, args = read_config(source)
     try:
@@ -110,7 +113,7 @@ def load_model(
     attach_cpu_kernels(model, cpu_kernels, torch_device, backend.name)
     seconds = time.perf_counter() - started
     log.info("loaded %s (%s, %s on %s) in %.1fs", model_path, args.architecture, torch_dtype, torch_device, seconds)
-    return LoadedModel(source, hf_config, args, model, torch_dtype, torch_device, seconds)
+    return LoadedModel(source, hf_config, args, model, torch_dtype, torch_device, seconds, free_at_start)
 
 
 def attach_cpu_kernels(model: LlamaForCausalLM, choice: str, device: torch.device, backend: str) -> None:
@@ -171,7 +174,11 @@ def plan_memory(
 
 
 def _profile_cuda(loaded, block_size, block_bytes, utilization, num_tokens, num_seqs, seed) -> MemoryFigures:
-    """Dummy forward of the largest step, then peak and non-torch usage from the device's own counters."""
+    """Dummy forward of the largest step, then peak and non-torch usage from the device's own counters.
+
+    Non-torch use is what this process took since it started loading beyond torch's reservations
+    (cuBLAS workspaces, kernels), not all memory the device reports used: another process on the
+    same GPU (a second worker, a test's stack) holds its own share."""
     device = loaded.device
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -182,10 +189,12 @@ def _profile_cuda(loaded, block_size, block_bytes, utilization, num_tokens, num_
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - weights
     free, total = torch.cuda.mem_get_info(device)
-    non_torch = max(total - free - torch.cuda.memory_reserved(device), 0)
+    used_by_us = (loaded.cuda_free_at_start if loaded.cuda_free_at_start is not None else total) - free
+    non_torch = max(used_by_us - torch.cuda.memory_reserved(device), 0)
     del runner
     torch.cuda.empty_cache()
-    return cuda_figures(total, utilization, weights, peak, non_torch, block_bytes)
+    free_now = torch.cuda.mem_get_info(device)[0]
+    return cuda_figures(total, utilization, weights, peak, non_torch, block_bytes, free=free_now)
 
 
 def create_runner(loaded: LoadedModel, block_size: int, num_blocks: int, seed: int | None = None) -> ModelRunner:

@@ -1,8 +1,11 @@
 """How many KV blocks fit: pure arithmetic over memory figures (tests feed fake ones).
 
 CUDA: ``num_blocks = floor((total * utilization - used_after_profile) / bytes_per_block)``
-where ``used_after_profile`` is the weights, the peak activations of a dummy forward pass of
-``max_num_batched_tokens`` tokens, and memory held outside torch's allocator.
+where ``used_after_profile`` is this worker's own use: the weights, the peak activations of a dummy
+forward pass of ``max_num_batched_tokens`` tokens, and what it holds outside torch's allocator.
+The utilization is this worker's share of the device (as in vLLM): memory other processes hold
+is not charged to it, but the cache never takes more than is free after profiling, less the
+activations' peak that every step will need again.
 CPU: ``--kv-cache-memory`` bytes, or a safe share of the available RAM.
 """
 
@@ -37,9 +40,13 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
 
 
-def cuda_kv_cache_bytes(total: int, utilization: float, weights: int, peak_activation: int, non_torch: int) -> int:
-    """What is left for the KV cache of the device's share after the profiled usage (may be negative)."""
-    return int(total * utilization) - (weights + peak_activation + non_torch)
+def cuda_kv_cache_bytes(
+    total: int, utilization: float, weights: int, peak_activation: int, non_torch: int, free: int | None = None
+) -> int:
+    """What is left for the KV cache of this worker's share after its profiled usage, capped by what is
+    ``free`` on the device after profiling (may be negative)."""
+    budget = int(total * utilization) - (weights + peak_activation + non_torch)
+    return budget if free is None else min(budget, free - peak_activation)
 
 
 def cpu_kv_cache_bytes(configured: int, mem_available: int) -> int:
@@ -72,9 +79,15 @@ def cpu_figures(configured: int, mem_total: int, mem_available: int, weights: in
 
 
 def cuda_figures(
-    total: int, utilization: float, weights: int, peak_activation: int, non_torch: int, block_bytes: int
+    total: int,
+    utilization: float,
+    weights: int,
+    peak_activation: int,
+    non_torch: int,
+    block_bytes: int,
+    free: int | None = None,
 ) -> MemoryFigures:
-    kv_bytes = cuda_kv_cache_bytes(total, utilization, weights, peak_activation, non_torch)
+    kv_bytes = cuda_kv_cache_bytes(total, utilization, weights, peak_activation, non_torch, free)
     num_blocks = num_blocks_for(kv_bytes, block_bytes)
     return MemoryFigures(
         "cuda-profile", total, weights, peak_activation, non_torch, num_blocks * block_bytes, utilization, num_blocks

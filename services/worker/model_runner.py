@@ -9,6 +9,7 @@ import torch
 from kvgrid.v1 import common_pb2
 
 from .attention.base import AttentionMetadata
+from .cuda_graphs import DecodeGraphs, capture_sizes
 from .models.llama import LlamaForCausalLM
 from .sampling import Sampler
 from .sampling_params import RequestSampling
@@ -46,6 +47,16 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = torch.device(device)
+        self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs, see use_decode_graphs
+
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
+        """Decode steps of up to ``max_num_seqs`` requests through ``DecodeGraphs``; ``capture`` on CUDA
+        only (without it the same static buffers run eagerly, which is how tests check them on CPU)."""
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_caches, self.block_size, max_model_len, capture_sizes(max_num_seqs), self.device
+        )
+        if capture:
+            self.graphs.capture()
 
     @property
     def num_blocks(self) -> int:
@@ -100,6 +111,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, inputs: StepInputs) -> torch.Tensor:  # [R, vocab]
+        graphs, meta = self.graphs, inputs.meta
+        if graphs is not None and graphs.takes(meta) and len(inputs.sampling_requests) == meta.num_seqs:
+            return graphs.run(inputs.input_ids, inputs.positions, meta)  # every row samples, in batch order
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)  # [T, E]
         return self.model.compute_logits(hidden[inputs.logits_indices])
 

@@ -115,3 +115,27 @@ def test_greedy_tokens_equal_torch_backend(tmp_path):
         outputs[name] = _generate(runner, prompts, arrivals=[0, 1, 3], num_new=6, chunk=8)
     assert all(len(tokens) == 6 for tokens in outputs["triton"])
     assert outputs["triton"] == outputs["torch"]
+
+
+@pytest.mark.timeout(300)
+def test_decode_graphs_give_the_eager_tokens(tmp_path):
+    """Decode steps through ``DecodeGraphs`` (captured on CUDA; here the same static, padded buffers run
+    eagerly) give the eager runner's greedy tokens, while batches grow and shrink across graph sizes."""
+    from services.worker.engine import create_runner, load_model
+    from tests.worker.tiny import save_tiny_model
+
+    path = save_tiny_model(str(tmp_path / "tiny"), "llama", seed=4)
+    prompts = [torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 17)]
+    outputs, replays = {}, []
+    for graphs in (False, True):
+        loaded = load_model(path, dtype="float32", device=DEVICE, attention_backend="triton")
+        runner = create_runner(loaded, block_size=16, num_blocks=24)
+        if graphs:
+            runner.use_decode_graphs(max_num_seqs=4, max_model_len=256, capture=DEVICE == "cuda")
+            assert runner.graphs.sizes == [1, 2, 4]
+            run = runner.graphs.run
+            runner.graphs.run = lambda ids, pos, meta, run=run: replays.append(meta.num_seqs) or run(ids, pos, meta)
+        outputs[graphs] = _generate(runner, prompts, arrivals=[0, 1, 2], num_new=9, chunk=8)
+    assert all(len(tokens) == 9 for tokens in outputs[True])
+    assert outputs[True] == outputs[False]
+    assert {1, 2, 3} <= set(replays)  # 3 requests pad to the 4-row graph; 1 and 2 fit theirs exactly

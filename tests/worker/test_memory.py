@@ -71,3 +71,17 @@ def test_read_meminfo(tmp_path):
     path = tmp_path / "meminfo"
     path.write_text("MemTotal:       16384 kB\nMemFree:         1024 kB\nMemAvailable:    8192 kB\n")
     assert read_meminfo(str(path)) == (16384 * 1024, 8192 * 1024)
+
+
+def test_cuda_share_is_this_workers_own_and_capped_by_free_memory():
+    """The utilization is per worker: another process's memory is not charged to this one (non_torch
+    counts only our own), but the cache never outgrows what is free, less the activations' peak."""
+    block = 2 * 2**20
+    kwargs = dict(total=80 * GiB, utilization=0.5, weights=GiB, peak_activation=GiB, non_torch=0, block_bytes=block)
+    alone = cuda_figures(**kwargs, free=78 * GiB)
+    assert alone.kv_cache_bytes == 38 * GiB  # 40 GiB share - weights - peak
+    beside_another = cuda_figures(**kwargs, free=39 * GiB)  # a second worker already holds 40 GiB
+    assert beside_another.kv_cache_bytes == 38 * GiB
+    crowded = cuda_figures(**kwargs, free=11 * GiB)  # only 11 GiB free: 10 for the cache, 1 for activations
+    assert crowded.kv_cache_bytes == 10 * GiB
+    assert cuda_figures(**kwargs, free=GiB // 2).num_blocks == 0
