@@ -5,7 +5,7 @@ where ``used_after_profile`` is this worker's own use: the weights, the peak act
 forward pass of ``max_num_batched_tokens`` tokens, and what it holds outside torch's allocator.
 The utilization is this worker's share of the device (as in vLLM): memory other processes hold
 is not charged to it, but the cache never takes more than is free after profiling, less the
-activations' peak that every step will need again.
+activations' peak that every step will need again and ``CUDA_FREE_HEADROOM``.
 CPU: ``--kv-cache-memory`` bytes, or a safe share of the available RAM.
 """
 
@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 CPU_DEFAULT_SHARE = 0.25
 CPU_DEFAULT_CAP = 4 * 2**30
+# Left free on the device when the cache is capped by free memory: cuBLAS workspaces, CUDA-graph
+# pools and the sampler's temporaries come after the profile (seen on an H100: a cache that took all
+# but the activations' peak failed its first cuBLAS call).
+CUDA_FREE_HEADROOM = 2**30
 
 
 class InsufficientMemory(Exception):
@@ -44,9 +48,9 @@ def cuda_kv_cache_bytes(
     total: int, utilization: float, weights: int, peak_activation: int, non_torch: int, free: int | None = None
 ) -> int:
     """What is left for the KV cache of this worker's share after its profiled usage, capped by what is
-    ``free`` on the device after profiling (may be negative)."""
+    ``free`` on the device after profiling less the activations' peak and a headroom (may be negative)."""
     budget = int(total * utilization) - (weights + peak_activation + non_torch)
-    return budget if free is None else min(budget, free - peak_activation)
+    return budget if free is None else min(budget, free - peak_activation - CUDA_FREE_HEADROOM)
 
 
 def cpu_kv_cache_bytes(configured: int, mem_available: int) -> int:

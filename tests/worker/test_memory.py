@@ -6,6 +6,7 @@ import pytest
 
 from services.worker.memory import (
     CPU_DEFAULT_CAP,
+    CUDA_FREE_HEADROOM,
     InsufficientMemory,
     bytes_per_block,
     check_fits,
@@ -75,13 +76,14 @@ def test_read_meminfo(tmp_path):
 
 def test_cuda_share_is_this_workers_own_and_capped_by_free_memory():
     """The utilization is per worker: another process's memory is not charged to this one (non_torch
-    counts only our own), but the cache never outgrows what is free, less the activations' peak."""
+    counts only our own), but the cache never outgrows what is free, less the activations' peak and
+    a headroom."""
     block = 2 * 2**20
     kwargs = dict(total=80 * GiB, utilization=0.5, weights=GiB, peak_activation=GiB, non_torch=0, block_bytes=block)
     alone = cuda_figures(**kwargs, free=78 * GiB)
     assert alone.kv_cache_bytes == 38 * GiB  # 40 GiB share - weights - peak
-    beside_another = cuda_figures(**kwargs, free=39 * GiB)  # a second worker already holds 40 GiB
+    beside_another = cuda_figures(**kwargs, free=40 * GiB)  # a second worker already holds 39 GiB
     assert beside_another.kv_cache_bytes == 38 * GiB
-    crowded = cuda_figures(**kwargs, free=11 * GiB)  # only 11 GiB free: 10 for the cache, 1 for activations
-    assert crowded.kv_cache_bytes == 10 * GiB
-    assert cuda_figures(**kwargs, free=GiB // 2).num_blocks == 0
+    crowded = cuda_figures(**kwargs, free=11 * GiB)  # 11 GiB free: 1 for activations, 1 of headroom
+    assert crowded.kv_cache_bytes == 11 * GiB - GiB - CUDA_FREE_HEADROOM
+    assert cuda_figures(**kwargs, free=GiB + CUDA_FREE_HEADROOM).num_blocks == 0
