@@ -1,9 +1,12 @@
 // The package against an in-process fake server: request mapping, deltas, errors, cancellation.
 import assert from 'node:assert/strict';
-import { after, before, test } from 'node:test';
+import { after, before, test as nodeTest } from 'node:test';
 
 import { KvgridClient, KvgridError, PROTO_DIR_ENV, resolveProtoDir } from '../src/index.js';
 import { REPLY, startFakeServer, waitFor } from './fake-server.mjs';
+
+// A broken cancellation would leave a call streaming forever: each test gets a time limit.
+const test = (name, fn) => nodeTest(name, { timeout: 20_000 }, fn);
 
 let server;
 let client;

@@ -18,7 +18,7 @@ async function collect(iterable) {
   return { text: deltas.map((d) => d.text).join(''), tokenIds: deltas.flatMap((d) => d.tokenIds), last: deltas.at(-1) };
 }
 
-describe('against a kvgrid stack', { skip }, () => {
+describe('against a kvgrid stack', { skip, timeout: 240_000 }, () => {
   const expected = skip ? {} : JSON.parse(readFileSync(KVGRID_TEST_EXPECTED, 'utf8'));
   const client = skip ? null : new KvgridClient({ address: addr });
   const scheduler = skip ? null : new (loadProtos().v1.Scheduler)(schedulerAddr, grpc.credentials.createInsecure());
