@@ -70,24 +70,23 @@ def stack(tmp_path_factory) -> Stack:
         stack.stop()
 
 
+def python_answer(method, request_json: dict, message_type) -> dict:
+    """What the Python client gets for one request, in the Node client's shape."""
+    text, ids, last = collect(method(json_format.ParseDict(request_json, message_type()), timeout=120))
+    usage = {"promptTokens": last.usage.prompt_tokens, "completionTokens": last.usage.completion_tokens}
+    assert ids, "the Python client got no tokens"
+    return {"request": request_json, "text": text, "tokenIds": ids, "finishReason": last.finish_reason, "usage": usage}
+
+
 def python_answers(addr: str) -> dict:
-    """What the Python client gets for GENERATE and CHAT, in the Node client's shape."""
     with grpc.insecure_channel(addr) as channel:
         stub = generate_pb2_grpc.TextGenerationStub(channel)
-        answers = {}
-        for name, request, method in (
-            ("generate", json_format.ParseDict(GENERATE, generate_pb2.GenerateRequest()), stub.Generate),
-            ("chat", json_format.ParseDict(CHAT, generate_pb2.ChatRequest()), stub.Chat),
-        ):
-            text, ids, last = collect(method(request, timeout=120))
-            usage = {"promptTokens": last.usage.prompt_tokens, "completionTokens": last.usage.completion_tokens}
-            request_json = GENERATE if name == "generate" else CHAT
-            answers[name] = {"request": request_json, "text": text, "tokenIds": ids}
-            answers[name] |= {"finishReason": last.finish_reason, "usage": usage}
         info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=30)
-        answers["modelInfo"] = {"model": info.model, "vocabSize": info.vocab_size}
-    assert answers["generate"]["tokenIds"] and answers["chat"]["tokenIds"]
-    return answers
+        return {
+            "generate": python_answer(stub.Generate, GENERATE, generate_pb2.GenerateRequest),
+            "chat": python_answer(stub.Chat, CHAT, generate_pb2.ChatRequest),
+            "modelInfo": {"model": info.model, "vocabSize": info.vocab_size},
+        }
 
 
 def run_node_tests(node: str, files: list[str], xml_path: pathlib.Path, env: dict[str, str]) -> dict[str, str]:
