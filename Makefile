@@ -51,4 +51,4 @@ protos: install
 	$(PY) -m kvgrid.protogen
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info clients/node/node_modules

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class TextGenerationStub:
-    """Missing associated documentation comment in .proto file."""
+    """Text generation for clients: completions and chat, streamed, plus the tokenizer and model facts.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -62,7 +63,8 @@ class TextGenerationStub:
 
 
 class TextGenerationServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Text generation for clients: completions and chat, streamed, plus the tokenizer and model facts.
+    """
 
     def Generate(self, request, context):
         """Complete a prompt; streams deltas, the last message carries finish_reason and usage.
@@ -136,7 +138,8 @@ def add_TextGenerationServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class TextGeneration:
-    """Missing associated documentation comment in .proto file."""
+    """Text generation for clients: completions and chat, streamed, plus the tokenizer and model facts.
+    """
 
     @staticmethod
     def Generate(request,

@@ -27,7 +27,8 @@ if _version_not_supported:
 
 
 class SchedulerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Requests and KV blocks of one worker: the frontend submits tokenized requests here.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -58,7 +59,8 @@ class SchedulerStub:
 
 
 class SchedulerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Requests and KV blocks of one worker: the frontend submits tokenized requests here.
+    """
 
     def Submit(self, request, context):
         """Run a tokenized request; streams the sampled token ids, the last message has finish_reason set.
@@ -122,7 +124,8 @@ def add_SchedulerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Scheduler:
-    """Missing associated documentation comment in .proto file."""
+    """Requests and KV blocks of one worker: the frontend submits tokenized requests here.
+    """
 
     @staticmethod
     def Submit(request,

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class WorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """The model runner: the scheduler handshakes once, then drives every step over Execute.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -47,7 +48,8 @@ class WorkerStub:
 
 
 class WorkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The model runner: the scheduler handshakes once, then drives every step over Execute.
+    """
 
     def Handshake(self, request, context):
         """Identity, limits and KV block count, read once the cache is allocated.
@@ -86,7 +88,8 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """Missing associated documentation comment in .proto file."""
+    """The model runner: the scheduler handshakes once, then drives every step over Execute.
+    """
 
     @staticmethod
     def Handshake(request,

@@ -1,0 +1,92 @@
+// KvgridClient: the public TextGeneration API of a kvgrid server (the tokenizer frontend).
+import * as grpc from '@grpc/grpc-js';
+
+import { deltas, unary } from './deltas.js';
+import { loadProtos } from './protos.js';
+
+export const DEFAULT_ADDR = 'localhost:50051';
+export const ADDR_ENV = 'KVGRID_ADDR';
+const CALL_KEYS = new Set(['signal', 'timeoutMs', 'requestId']);
+
+export class KvgridClient {
+  /**
+   * @param {object} [options]
+   * @param {string} [options.address] HOST:PORT of the frontend ($KVGRID_ADDR, else localhost:50051)
+   * @param {string} [options.protoDir] directory holding kvgrid/v1/*.proto ($KVGRID_PROTO_DIR, else the repository's)
+   * @param {import('@grpc/grpc-js').ChannelCredentials} [options.credentials] default: insecure
+   * @param {object} [options.channelOptions] grpc-js channel options
+   */
+  constructor({ address, protoDir, credentials, channelOptions } = {}) {
+    const { v1, samplingFields } = loadProtos(protoDir);
+    this.address = address ?? process.env[ADDR_ENV] ?? DEFAULT_ADDR;
+    this.samplingFields = new Set(samplingFields);
+    this.stub = new v1.TextGeneration(
+      this.address,
+      credentials ?? grpc.credentials.createInsecure(),
+      channelOptions,
+    );
+  }
+
+  /**
+   * Completes `prompt` (text, or an array of token ids) and yields deltas
+   * `{text, tokenIds, finishReason, usage, logprobs, requestId}`; the last one has finishReason
+   * ("stop", "length" or "abort") and usage.
+   *
+   * `options`: any SamplingParams field in camelCase (maxTokens, temperature, topP, topK, minP, seed,
+   * stop, stopTokenIds, ignoreEos, minTokens, presencePenalty, frequencyPenalty, repetitionPenalty,
+   * logprobs, ...), plus `signal` (AbortSignal), `timeoutMs` and `requestId`.
+   */
+  generate(prompt, options = {}) {
+    const request = Array.isArray(prompt) ? { promptTokenIds: prompt } : { prompt };
+    return this.#stream('Generate', request, options);
+  }
+
+  /** Completes a conversation `[{role, content}, ...]` with the model's chat template; yields like generate. */
+  chat(messages, options = {}) {
+    return this.#stream('Chat', { messages }, options);
+  }
+
+  /** `{tokenIds, tokens}` of `text`, or of chat `messages` rendered with the template when given. */
+  tokenize(text, { addSpecialTokens = false, messages, signal, timeoutMs } = {}) {
+    const request = { text, addSpecialTokens, messages };
+    return unary(this.stub, 'Tokenize', request, callOptions(timeoutMs), signal);
+  }
+
+  /** The text of `tokenIds`. */
+  async detokenize(tokenIds, { includeSpecialTokens = false, signal, timeoutMs } = {}) {
+    const request = { tokenIds, includeSpecialTokens };
+    return (await unary(this.stub, 'Detokenize', request, callOptions(timeoutMs), signal)).text;
+  }
+
+  /** What is served: `{model, maxModelLen, vocabSize, numKvBlocks, blockSize, dtype, eosTokenIds, device}`. */
+  getModelInfo({ signal, timeoutMs } = {}) {
+    return unary(this.stub, 'GetModelInfo', {}, callOptions(timeoutMs), signal);
+  }
+
+  close() {
+    this.stub.close();
+  }
+
+  #stream(method, request, options) {
+    const { signal, timeoutMs, requestId } = options;
+    const full = { ...request, sampling: this.#sampling(options), requestId: requestId ?? '' };
+    return deltas(() => this.stub[method](full, callOptions(timeoutMs)), signal);
+  }
+
+  #sampling(options) {
+    const sampling = {};
+    for (const [key, value] of Object.entries(options)) {
+      if (CALL_KEYS.has(key) || value === undefined) continue;
+      if (!this.samplingFields.has(key)) {
+        const known = [...this.samplingFields, ...CALL_KEYS].join(', ');
+        throw new TypeError(`unknown option ${JSON.stringify(key)} (options: ${known})`);
+      }
+      sampling[key] = value;
+    }
+    return sampling;
+  }
+}
+
+function callOptions(timeoutMs) {
+  return timeoutMs === undefined ? {} : { deadline: Date.now() + timeoutMs };
+}
