@@ -155,12 +155,17 @@ class Stack:
                         raise TimeoutError(f"the stack is not serving after {timeout:.0f}s; logs in {self.dir}")
                     await asyncio.sleep(0.3)
 
-    async def num_steps(self) -> int:
+    async def stats(self) -> scheduler_pb2.SchedulerStats:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{self.scheduler_port}") as channel:
-            stats = await scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
-                scheduler_pb2.GetStatsRequest(), timeout=10
-            )
-            return stats.num_steps
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            return await stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+
+    async def sample_queues(self, until: float, out: list[tuple[int, int]]) -> None:
+        """(running, waiting) at the scheduler, every 0.25 s until ``until``."""
+        while time.monotonic() < until:
+            stats = await self.stats()
+            out.append((stats.num_running, stats.num_waiting))
+            await asyncio.sleep(0.25)
 
     def cpu(self) -> dict[str, float]:
         return {name: _cpu_seconds(p.pid) for name, p in self.procs.items()}
@@ -179,7 +184,17 @@ class Stack:
 # ---- clients (each client process runs its share of the concurrent calls) ----
 
 
-async def _client(addr: str, concurrency: int, output_tokens: int, stop_at: float, seed: int) -> dict:
+async def _client(addr: str, concurrency: int, output_tokens: int, window: tuple[float, float], seed: int) -> dict:
+    stop_at = window[1]
+    cpu: list[float] = []
+
+    async def clock() -> None:  # this process's CPU time at the window's ends
+        await asyncio.sleep(max(0.0, window[0] - time.monotonic()))
+        cpu.append(time.process_time())
+        await asyncio.sleep(max(0.0, window[1] - time.monotonic()))
+        cpu.append(time.process_time())
+
+    clock_task = asyncio.create_task(clock())
     responses: list[tuple[float, int]] = []  # (time, tokens) of every response
     gaps: list[float] = []  # per-token inter-token latency
     ttfts: list[float] = []
@@ -217,11 +232,12 @@ async def _client(addr: str, concurrency: int, output_tokens: int, stop_at: floa
                     await asyncio.sleep(0.1)
 
         await asyncio.gather(*(slot(i) for i in range(concurrency)))
-    return {"responses": responses, "gaps": gaps, "ttfts": ttfts, "errors": num_errors}
+    await clock_task
+    return {"responses": responses, "gaps": gaps, "ttfts": ttfts, "errors": num_errors, "cpu": cpu[1] - cpu[0]}
 
 
-def _client_process(addr, concurrency, output_tokens, stop_at, seed, queue) -> None:
-    queue.put(asyncio.run(_client(addr, concurrency, output_tokens, stop_at, seed)))
+def _client_process(addr, concurrency, output_tokens, window, seed, queue) -> None:
+    queue.put(asyncio.run(_client(addr, concurrency, output_tokens, window, seed)))
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -244,13 +260,14 @@ async def measure(args) -> dict:
         for i in range(args.client_procs):
             share = args.concurrency // args.client_procs + (1 if i < args.concurrency % args.client_procs else 0)
             addr = f"127.0.0.1:{stack.frontend_ports[i % len(stack.frontend_ports)]}"
-            p = ctx.Process(target=_client_process, args=(addr, share, args.output_tokens, window[1], i, queue))
+            p = ctx.Process(target=_client_process, args=(addr, share, args.output_tokens, window, i, queue))
             p.start()
             procs.append(p)
         await asyncio.sleep(max(0.0, window[0] - time.monotonic()))
-        cpu0, steps0 = stack.cpu(), await stack.num_steps()
-        await asyncio.sleep(max(0.0, window[1] - time.monotonic()))
-        cpu1, steps1 = stack.cpu(), await stack.num_steps()
+        t0, cpu0, steps0 = time.monotonic(), stack.cpu(), (await stack.stats()).num_steps
+        queues: list[tuple[int, int]] = []
+        await stack.sample_queues(window[1], queues)
+        t1, cpu1, steps1 = time.monotonic(), stack.cpu(), (await stack.stats()).num_steps
         results = [await asyncio.to_thread(queue.get) for _ in procs]
         for p in procs:
             p.join()
@@ -259,6 +276,7 @@ async def measure(args) -> dict:
     in_window = [(t, k) for r in results for t, k in r["responses"] if window[0] <= t < window[1]]
     tokens = sum(k for _, k in in_window)
     steps = max(steps1 - steps0, 1)
+    elapsed = t1 - t0  # the window as the scheduler's counters saw it
     cpu = {name: cpu1[name] - cpu0[name] for name in cpu0}
     frontend_cpu = sum(v for name, v in cpu.items() if name.startswith("frontend"))
     gaps = [g for r in results for g in r["gaps"]]
@@ -274,12 +292,15 @@ async def measure(args) -> dict:
         "delivered_tok_s": round(delivered, 1),
         "ideal_tok_s": ideal,
         "fraction_of_ideal": round(delivered / ideal, 3),
-        "steps_per_s": round(steps / args.duration, 1),
-        "step_ms": round(1000 * args.duration / steps, 2),
+        "steps_per_s": round(steps / elapsed, 1),
+        "step_ms": round(1000 * elapsed / steps, 2),
         "scheduler_cpu_ms_per_step": round(1000 * cpu["scheduler"] / steps, 3),
         "frontend_cpu_ms_per_step": round(1000 * frontend_cpu / steps, 3),
-        "scheduler_cpu_share": round(cpu["scheduler"] / args.duration, 3),
-        "frontend_cpu_share": round(frontend_cpu / args.duration, 3),
+        "scheduler_cpu_share": round(cpu["scheduler"] / elapsed, 3),
+        "frontend_cpu_share": round(frontend_cpu / elapsed, 3),
+        "mean_running": round(sum(r for r, _ in queues) / max(len(queues), 1), 1),
+        "mean_waiting": round(sum(w for _, w in queues) / max(len(queues), 1), 1),
+        "client_cpu_share": round(sum(r["cpu"] for r in results) / args.duration, 3),
         "tokens_per_response": round(tokens / max(len(in_window), 1), 2),
         "itl_p50_ms": round(1000 * _pct(gaps, 0.5), 2),
         "itl_p99_ms": round(1000 * _pct(gaps, 0.99), 2),

@@ -46,38 +46,52 @@ class FakeGpuWorker(worker_pb2_grpc.WorkerServicer):
         return self.handshake
 
     async def Execute(self, request_iterator, context):
+        arrived: asyncio.Queue = asyncio.Queue()
+
+        async def read() -> None:  # timestamps each plan as it arrives, as a device queue would take it
+            async for plan in request_iterator:
+                arrived.put_nowait((time.monotonic(), plan))
+            arrived.put_nowait((0.0, None))
+
+        reader = asyncio.create_task(read())
         # request id -> [known tokens, computed tokens, id hash]
         seqs: dict[str, list[int]] = {}
-        free_at = time.monotonic()
-        async for plan in request_iterator:
-            for request_id in plan.finished_ids:
-                seqs.pop(request_id, None)
-            scheduled = []
-            for new in plan.new_requests:
-                seq = seqs[new.request_id] = [
-                    len(new.token_ids),
-                    new.num_computed_tokens,
-                    zlib.crc32(new.request_id.encode()),
-                ]
-                scheduled.append((new.request_id, seq, new.num_scheduled_tokens))
-            for running in plan.running:
-                scheduled.append((running.request_id, seqs[running.request_id], running.num_scheduled_tokens))
-            result = worker_pb2.StepResult(step_id=plan.step_id)
-            sampled = result.sampled
-            for request_id, seq, num_scheduled in scheduled:
-                seq[1] += num_scheduled
-                if seq[1] == seq[0]:
-                    item = sampled.add()
-                    item.request_id = request_id
-                    item.token_id = FIRST_TOKEN + (seq[2] + seq[0] * 7919) % NUM_TOKENS
-                    seq[0] += 1
-            # The "device" runs this step after the previous one: it ends step_s after it could start.
-            free_at = max(free_at, time.monotonic()) + self.step_s
-            delay = free_at - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            result.execute_seconds = self.step_s
-            yield result
+        free_at = 0.0
+        try:
+            while True:
+                arrival, plan = await arrived.get()
+                if plan is None:
+                    return
+                result = self._step(plan, seqs)
+                # The "device" starts this step when it has the plan and the previous step is done.
+                free_at = max(free_at, arrival) + self.step_s
+                delay = free_at - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                yield result
+        finally:
+            reader.cancel()
+
+    def _step(self, plan: worker_pb2.StepPlan, seqs: dict[str, list[int]]) -> worker_pb2.StepResult:
+        for request_id in plan.finished_ids:
+            seqs.pop(request_id, None)
+        scheduled = []
+        for new in plan.new_requests:
+            seq = [len(new.token_ids), new.num_computed_tokens, zlib.crc32(new.request_id.encode())]
+            seqs[new.request_id] = seq
+            scheduled.append((new.request_id, seq, new.num_scheduled_tokens))
+        for running in plan.running:
+            scheduled.append((running.request_id, seqs[running.request_id], running.num_scheduled_tokens))
+        result = worker_pb2.StepResult(step_id=plan.step_id, execute_seconds=self.step_s)
+        sampled = result.sampled
+        for request_id, seq, num_scheduled in scheduled:
+            seq[1] += num_scheduled
+            if seq[1] == seq[0]:  # every known token computed: sample the next, and keep it
+                item = sampled.add()
+                item.request_id = request_id
+                item.token_id = FIRST_TOKEN + (seq[2] + seq[0] * 7919) % NUM_TOKENS
+                seq[0] += 1
+        return result
 
 
 async def serve(port: int, step_s: float, num_blocks: int, block_size: int, max_num_seqs: int, model: str) -> None:

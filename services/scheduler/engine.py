@@ -5,9 +5,10 @@ scheduler sized from the reply, report ready, then plan → send → await the
 result → update → deliver, for as long as there is work. With async scheduling
 the next plan is sent before the current result is read, so the worker always
 has the next step queued while it runs one (at most two plans are in flight).
-Delivery ends with one flush per connected frontend: one message per step each. When the stream breaks
-(or the worker breaks the protocol), every live request fails with UNAVAILABLE,
-the scheduler is dropped (nothing stale survives) and the loop dials again.
+Delivery ends with one flush per connected frontend: one message per step each.
+When the worker stream breaks (or the worker breaks the protocol), every live
+request fails with UNAVAILABLE, the scheduler is dropped (nothing stale
+survives) and the loop dials again; frontend streams stay connected.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from services.common.metrics import SchedulerMetrics
 from services.scheduler.admission import AdmissionLimits, admit
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.convert import plan_to_proto, sampled_from_proto
-from services.scheduler.frontends import FrontendStream
+from services.scheduler.frontends import FrontendRequest, FrontendStream
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.scheduler import Scheduler, SchedulerLimits, SchedulerOutput, WorkerProtocolError
 from services.scheduler.streams import RequestStream
@@ -76,7 +77,7 @@ class Engine:
         self._core: Scheduler | None = None
         self._admission: AdmissionLimits | None = None
         # request id -> where its outputs go: a RequestStream (Submit) or a FrontendRequest (Connect).
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestStream | FrontendRequest] = {}
         self.frontends: set[FrontendStream] = set()
         # Plans sent ahead of their results: 2 with async scheduling, 1 without.
         self._max_in_flight = 2 if config.scheduler.async_scheduling else 1
@@ -104,7 +105,7 @@ class Engine:
 
     def submit(
         self, msg: scheduler_pb2.SubmitRequest, trace_context: dict[str, str], make_stream=RequestStream
-    ) -> RequestStream:
+    ) -> RequestStream | FrontendRequest:
         """Admit a request; ``make_stream(request)`` builds where its outputs go. Raises KvgridError."""
         core = self._core
         if core is None:
@@ -231,7 +232,7 @@ class Engine:
                     if not out.is_empty:
                         plan = plan_to_proto(out)
                         if self.metrics is not None:
-                            self._record(core, out, time.perf_counter() - started)
+                            self._record_plan(out, time.perf_counter() - started)
                         await call.write(plan)
                         in_flight.append(out)
                         continue
@@ -279,7 +280,7 @@ class Engine:
         m.num_waiting.set(core.num_waiting)
         m.kv_cache_usage.set(core.kv.usage)
 
-    def _record(self, core: Scheduler, out: SchedulerOutput, schedule_seconds: float) -> None:
+    def _record_plan(self, out: SchedulerOutput, schedule_seconds: float) -> None:
         m = self.metrics
         m.schedule_seconds.observe(schedule_seconds)
         m.step_batch_tokens.observe(out.total_num_scheduled_tokens)
