@@ -24,12 +24,10 @@ from kvgrid.v1 import common_pb2, scheduler_pb2
 from services.common.errors import AlreadyExists, Unavailable, error_for_code
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.request_handle import RequestHandle
-from services.tokenizer.upstream import SchedulerLink
+from services.tokenizer.upstream import INITIAL_BACKOFF_S, MAX_BACKOFF_S, SchedulerLink
 
 log = logging.getLogger(__name__)
 
-INITIAL_BACKOFF_S = 0.1
-MAX_BACKOFF_S = 5.0
 # How long a submit waits for the stream to (re)connect before failing with UNAVAILABLE.
 CONNECT_WAIT_S = 5.0
 # Deltas processed between two yields to the event loop.
@@ -125,11 +123,14 @@ class EngineClient:
             backoff = min(backoff * 2, MAX_BACKOFF_S)
 
     async def _write(self, call) -> None:
-        while True:
-            await self._wake_writer.wait()
-            self._wake_writer.clear()
-            while self._outbox:
-                await call.write(self._outbox.pop(0))
+        try:
+            while True:
+                await self._wake_writer.wait()
+                self._wake_writer.clear()
+                while self._outbox:
+                    await call.write(self._outbox.pop(0))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            log.debug("scheduler stream: write failed (%s); the reader sees the break", e)
 
     async def _dispatch(self, message: scheduler_pb2.SchedulerMessage) -> None:
         """One step's deltas: each goes through its handle's transform and on to the waiting call."""
