@@ -75,8 +75,11 @@ class Stack:
     def _spawn(self, name: str, argv: list[str], code_path: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVGRID_")}
         env.update(PYTHONPATH=code_path, KVGRID_LOG_LEVEL="warning", PYTHONUNBUFFERED="1")
+        # cwd too: ``python -m`` puts the working directory ahead of PYTHONPATH.
         with open(os.path.join(self.dir, f"{name}.log"), "w") as log:
-            self.procs[name] = subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=code_path
+            )
 
     def start(self) -> None:
         a = self.args
