@@ -1,0 +1,104 @@
+"""One request through the frontend pipeline: submit, detokenize, stop strings, metrics, tracing, upstream abort.
+
+Used by the gRPC servicer, the OpenAI routes and the router alike, so every
+entry point streams the same deltas and frees the request upstream the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+from opentelemetry.trace import Status, StatusCode
+
+from kvgrid.v1 import common_pb2, generate_pb2
+from services.common.errors import Unavailable
+from services.common.logs import request_log
+from services.common.tracing import inject, trace_id_hex, tracer
+from services.tokenizer import validation as v
+from services.tokenizer.engine_client import EngineClient
+from services.tokenizer.output import OutputProcessor
+from services.tokenizer.request_metrics import RequestMetrics
+from services.tokenizer.text_tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+
+async def generate(
+    engine: EngineClient,
+    tokenizer: TextTokenizer,
+    limits: v.ModelLimits,
+    request_id: str,
+    prompt_ids: list[int],
+    sampling: common_pb2.SamplingParams,
+    *,
+    parent_context=None,
+    tracked: RequestMetrics | None = None,
+) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    """Yield the public deltas of one validated request (``sampling`` as the client sent it).
+
+    The last response has finish_reason and usage set. Closing the iterator early or
+    cancelling the consuming task aborts the request upstream. Raises KvgridError subclasses.
+    """
+    output = OutputProcessor(tokenizer, request_id, prompt_ids, sampling)
+    span = tracer().start_span(
+        "tokenizer.generate",
+        context=parent_context,
+        attributes={"kvgrid.request_id": request_id, "kvgrid.prompt_tokens": len(prompt_ids)},
+    )
+    upstream = v.submit_sampling(sampling, len(prompt_ids), limits)
+    handle = await engine.submit(request_id, prompt_ids, upstream, inject(span))
+
+    def process(delta) -> generate_pb2.GenerateResponse | None:
+        out = output.process(delta)
+        if output.stopped_by_string:
+            handle.close()  # in order on the stream: a request reusing the id at once is not hit by it
+        return out
+
+    handle.transform = process
+    if tracked is not None:
+        tracked.begin(request_id, len(prompt_ids), trace_id_hex(span))
+    try:
+        finished = False
+        async for first in handle:
+            # Responses that piled up while this call waited go out as one.
+            out = merge([first, *handle.ready()])
+            if out is None:
+                continue
+            if tracked is not None:
+                tracked.output(len(out.token_ids))
+            # Decided by what was sent: the client's pass may already have processed later deltas.
+            finished = bool(out.finish_reason)
+            yield out
+            if finished:
+                break
+        if not finished:
+            raise Unavailable(f"the scheduler ended request {request_id} without a finish reason")
+        if tracked is not None:
+            tracked.finish(output.finish_reason)
+        span.set_attribute("kvgrid.finish_reason", output.finish_reason)
+    except BaseException as e:
+        span.set_status(Status(StatusCode.ERROR, f"{type(e).__name__}: {e}"))
+        raise
+    finally:
+        if not handle.done_upstream:  # client cancelled or disconnected, or an error here
+            request_log(log, request_id).debug("ending the request upstream")
+            handle.close()
+        span.set_attribute("kvgrid.completion_tokens", output.num_output_tokens)
+        span.end()
+
+
+def merge(responses: list[generate_pb2.GenerateResponse | None]) -> generate_pb2.GenerateResponse | None:
+    """One response carrying the text, ids and logprobs of ``responses`` in order; the last one's end fields."""
+    present = [r for r in responses if r is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+    out = present[0]
+    for more in present[1:]:
+        out.text += more.text
+        out.token_ids.extend(more.token_ids)
+        out.logprobs.extend(more.logprobs)
+        if more.finish_reason:
+            out.finish_reason = more.finish_reason
+            out.usage.CopyFrom(more.usage)
+    return out
