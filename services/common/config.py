@@ -125,6 +125,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _opt(2048, "most tokens computed in one step (the chunked-prefill budget)")
     max_waiting_requests: int = _opt(4096, "queue length past which Submit answers RESOURCE_EXHAUSTED")
     scheduling_policy: str = _opt("fcfs", "admission and preemption order", ("fcfs", "priority"))
+    worker_reconnect_timeout: float = _opt(
+        180.0, "seconds the requests of a lost worker wait for a worker to resume them before failing (UNAVAILABLE)"
+    )
 
     def validate(self) -> list[str]:
         errors = []
@@ -134,6 +137,8 @@ class SchedulerConfig:
             errors.append(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_waiting_requests < 1:
             errors.append(f"--max-waiting-requests must be >= 1, got {self.max_waiting_requests}")
+        if self.worker_reconnect_timeout < 0:
+            errors.append(f"--worker-reconnect-timeout must be >= 0, got {self.worker_reconnect_timeout}")
         return errors
 
 
