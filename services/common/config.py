@@ -153,6 +153,16 @@ class ParallelConfig:
 
 
 @dataclass(slots=True)
+class LifecycleConfig:
+    shutdown_grace: float = _opt(
+        30.0, "seconds in-flight requests may take to finish after SIGTERM; new ones get UNAVAILABLE meanwhile"
+    )
+
+    def validate(self) -> list[str]:
+        return [f"--shutdown-grace must be >= 0, got {self.shutdown_grace}"] if self.shutdown_grace < 0 else []
+
+
+@dataclass(slots=True)
 class ObservabilityConfig:
     log_level: str = _opt("info", "log level", ("debug", "info", "warning", "error"))
     log_format: str = _opt("text", "log line format", ("text", "json"))
@@ -191,6 +201,7 @@ ALL_SECTIONS = (
     CacheConfig,
     SchedulerConfig,
     ParallelConfig,
+    LifecycleConfig,
     ObservabilityConfig,
     NetworkConfig,
 )
@@ -290,6 +301,7 @@ class Config:
     cache: CacheConfig | None = None
     scheduler: SchedulerConfig | None = None
     parallel: ParallelConfig | None = None
+    lifecycle: LifecycleConfig | None = None
     observability: ObservabilityConfig | None = None
     network: NetworkConfig | None = None
 

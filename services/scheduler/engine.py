@@ -92,10 +92,21 @@ class Engine:
         # Counters of sessions that ended, so GetStats counts since start.
         self._past = {"queries": 0, "hits": 0, "preemptions": 0}
         self._num_steps = 0
+        self._draining = False
 
     @property
     def ready(self) -> bool:
         return self._core is not None
+
+    @property
+    def num_live(self) -> int:
+        """Requests not finished yet (running, waiting, or parked for the next worker)."""
+        return len(self._streams)
+
+    def drain(self) -> None:
+        """Shutdown began: new requests are refused, live ones go on (see SchedulerServer.stop)."""
+        self._draining = True
+        self._on_ready(False)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="scheduler-step-loop")
@@ -112,6 +123,8 @@ class Engine:
 
     def submit(self, msg: scheduler_pb2.SubmitRequest, trace_context: dict[str, str]) -> RequestStream:
         core = self._core
+        if self._draining:
+            raise Unavailable("the scheduler is shutting down and takes no new requests")
         if core is None:
             raise Unavailable(f"no worker is ready yet (waiting for the worker at {self.config.network.worker_addr})")
         request = admit(msg, self._admission, core.requests, core.num_waiting)
@@ -227,7 +240,7 @@ class Engine:
             info.block_size,
             self._core.max_seq_len,
         )
-        self._on_ready(True)
+        self._on_ready(not self._draining)
 
     async def _end(self, session: WorkerSession, reason: str, park: bool) -> None:
         self._on_ready(False)

@@ -140,6 +140,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         call = self._link.stub.Submit(submit, metadata=list(inject(span).items()))
         upstream_done = False  # the scheduler no longer holds the request: nothing to abort
         tracked.begin(request_id, len(prompt_ids), trace_id_hex(span))
+        self._state.stream_started()
         try:
             async for delta in call:
                 out = output.process(delta)
@@ -172,6 +173,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
                 self._end_upstream(call, request_id)
             span.set_attribute("kvgrid.completion_tokens", output.num_output_tokens)
             span.end()
+            self._state.stream_ended()
 
     def _end_upstream(self, call, request_id: str) -> None:
         """Stop the request at the scheduler now; synchronous, so it also works while the handler is cancelled."""
