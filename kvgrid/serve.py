@@ -153,6 +153,7 @@ def stop_all(children: list[Child], grace: float = 0.0) -> None:
     for child in reversed(children):
         if not child.process or child.process.poll() is not None:
             continue
+        _say(f"stopping the {child.name} (pid {child.process.pid})")
         child.process.send_signal(signal.SIGTERM)
         try:
             child.process.wait(timeout=timeout)
