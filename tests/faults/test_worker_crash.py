@@ -46,6 +46,7 @@ def reference(services) -> list[list[int]]:
     return [o.token_ids for o in outcomes]
 
 
+@pytest.mark.slow  # the same path as test_serve_faults' restart under `kvgrid serve`, which `make test` runs
 def test_a_killed_worker_s_requests_finish_on_the_next_worker_as_if_nothing_happened(services, reference):
     streams = Streams(services.addr("tokenizer"), requests())
     in_flight = streams.wait_tokens(3)
