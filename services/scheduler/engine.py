@@ -258,7 +258,7 @@ class Engine:
             stream.fail(Unavailable(f"request {stream.request.request_id!r} failed: {reason}"))
         if self.metrics is not None:
             self.metrics.num_running.set(0)
-            self.metrics.num_waiting.set(0)
+            self.metrics.num_waiting.set(len(self._parked))
             self.metrics.kv_cache_usage.set(0)
         await session.channel.close()
 
