@@ -7,6 +7,8 @@ start writes what they produce (config.json, the tokenizer's files, the
 dequantized weights as safetensors) under ``$KVGRID_CACHE_DIR/models``, keyed by
 the GGUF file's path, size and modification time; later starts read that
 directory like any HF model. A cache that cannot be written only costs the time.
+Dequantized weights take 4-8x the GGUF's bytes, so files over MAX_CONVERT_BYTES
+are read directly every time.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ log = logging.getLogger(__name__)
 # Bump when what is written changes: older entries are then ignored.
 FORMAT_VERSION = 1
 DONE_MARKER = "kvgrid-converted"
+MAX_CONVERT_BYTES = 2 * 2**30
 
 
 def converted_dir(source: ModelSource, root: Path | None = None) -> Path:
@@ -40,6 +43,9 @@ def converted_dir(source: ModelSource, root: Path | None = None) -> Path:
 def cached_source(source: ModelSource, root: Path | None = None) -> ModelSource:
     """The converted directory of a GGUF source, converting it first if needed; other sources as they are."""
     if source.format != "gguf":
+        return source
+    if os.path.getsize(source.path) > MAX_CONVERT_BYTES:
+        log.info("%s is over %d GiB: read directly, not converted into a cache", source.path, MAX_CONVERT_BYTES >> 30)
         return source
     target = converted_dir(source, root)
     if (target / DONE_MARKER).is_file():
@@ -61,8 +67,7 @@ def convert(source: ModelSource, target: Path) -> None:
     hf_config, _ = read_config(source)
     tokenizer = load_tokenizer(source)
     try:
-        # One contiguous copy per tensor: safetensors refuses views that share memory.
-        tensors = {name: tensor.contiguous().clone() for name, tensor in iter_weights(source, hf_config)}
+        tensors = {name: tensor.contiguous() for name, tensor in iter_weights(source, hf_config)}
     except Exception as exc:
         raise ModelLoadError(f"cannot load the weights of {source.path!r}: {exc}") from exc
     target.parent.mkdir(parents=True, exist_ok=True)

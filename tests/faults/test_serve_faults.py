@@ -19,11 +19,12 @@ from tests.faults.streams import Streams, greedy, seeded
 pytestmark = pytest.mark.timeout(900)
 
 NUM_STREAMS = 16
-MAX_TOKENS = 24
 
 
 def requests():
-    return [greedy(i, MAX_TOKENS) for i in range(12)] + [seeded(i, MAX_TOKENS) for i in range(12, NUM_STREAMS)]
+    # The greedy ones are the soak's prompts at its length: one uninterrupted run is the reference of both.
+    greedy_ones = [greedy(i, soak.MAX_TOKENS) for i in range(soak.NUM_PROMPTS)]
+    return greedy_ones + [seeded(i, soak.MAX_TOKENS) for i in range(soak.NUM_PROMPTS, NUM_STREAMS)]
 
 
 @pytest.fixture(scope="module")
@@ -35,31 +36,35 @@ def stack(tmp_path_factory):
         stack.stop()
 
 
+@pytest.fixture(scope="module")
+def reference(stack) -> list[list[int]]:
+    outcomes = Streams(stack.addr, requests()).wait()
+    assert all(o.ok for o in outcomes), [(o.code, o.details) for o in outcomes]
+    return [o.token_ids for o in outcomes]
+
+
 def idle_stats(stack):
     with grpc.insecure_channel(stack.scheduler_addr) as channel:
         return wait_idle(channel)
 
 
-def test_serve_restarts_a_killed_worker_and_its_requests_finish_unchanged(stack):
-    reference = Streams(stack.addr, requests()).wait()
-    assert all(o.ok for o in reference), [(o.code, o.details) for o in reference]
+def test_serve_restarts_a_killed_worker_and_its_requests_finish_unchanged(stack, reference):
     streams = Streams(stack.addr, requests())
     assert streams.wait_tokens(3) > NUM_STREAMS // 2, "most streams should be mid-way when the worker dies"
     old = child_pid(stack, "worker")
     assert kill_child(stack, "worker") != old
     for i, outcome in enumerate(streams.wait()):
         assert outcome.ok, (i, outcome.code, outcome.details)
-        assert outcome.token_ids == reference[i].token_ids, f"request {i} differs from the uninterrupted run"
+        assert outcome.token_ids == reference[i], f"request {i} differs from the uninterrupted run"
     assert "the worker was killed by signal SIGKILL; restarting it in 1s" in stack.log()
     stats = idle_stats(stack)
     assert (stats.num_running, stats.num_waiting, stats.num_blocks_used) == (0, 0, 0)
 
 
-def test_short_soak_with_a_worker_kill(stack):
+def test_short_soak_with_a_worker_kill(stack, reference):
     rng = random.Random(15)
-    refs = soak.references(stack.addr)
     planned = soak.plan(60, rng)
-    runner = soak.Soak(stack.addr, refs)
+    runner = soak.Soak(stack.addr, reference[: soak.NUM_PROMPTS])
     counts = runner.run(planned, {rng.randrange(10, 40): lambda: kill_child(stack, "worker")})
     print("soak counts:", dict(sorted(counts.items())))
     assert not runner.problems, runner.problems[:10]

@@ -44,3 +44,13 @@ def test_safetensors_sources_pass_and_an_unwritable_cache_falls_back_to_the_gguf
     gguf.write_bytes(b"GGUF")
     source = ModelSource(str(gguf), "gguf")
     assert gguf_cache.cached_source(source, tmp_path / "cache") is source
+
+
+def test_a_gguf_over_the_size_limit_is_read_directly(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(gguf_cache, "convert", fake_convert(calls))
+    monkeypatch.setattr(gguf_cache, "MAX_CONVERT_BYTES", 8)
+    gguf = tmp_path / "big.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 8)
+    source = ModelSource(str(gguf), "gguf")
+    assert gguf_cache.cached_source(source, tmp_path / "cache") is source and calls == []
