@@ -325,6 +325,24 @@ def test_graceful_stop_fails_in_flight_requests_with_unavailable():
     run(body())
 
 
+def test_a_draining_scheduler_finishes_live_requests_and_refuses_new_ones():
+    async def body():
+        async with stack(worker_kw={"step_delay": 0.01}) as s:
+            call = s.stub.Submit(submit_request("d", [1, 2, 3], max_tokens=30, ignore_eos=True))
+            first = await _first_tokens(call)
+            stopping = asyncio.create_task(s.scheduler.stop(grace=60))
+            await asyncio.sleep(0.05)
+            assert await s.health() == NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await collect(s.stub, submit_request("late", [1, 2]))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
+            rest = [t async for response in call for t in response.token_ids]
+            assert first + rest == generate([1, 2, 3], 30, VOCAB)
+            await stopping
+
+    run(body())
+
+
 def test_a_worker_lost_while_idle_is_noticed_without_a_request():
     async def body():
         async with stack() as s:
