@@ -25,6 +25,7 @@ SERVICES = {
             cfg.CacheConfig,
             cfg.SchedulerConfig,
             cfg.ParallelConfig,
+            cfg.LifecycleConfig,
             cfg.ObservabilityConfig,
             cfg.NetworkConfig,
         ),
@@ -32,12 +33,19 @@ SERVICES = {
     ),
     "scheduler": (
         "services.scheduler.main",
-        (cfg.ModelConfig, cfg.CacheConfig, cfg.SchedulerConfig, cfg.ObservabilityConfig, cfg.NetworkConfig),
+        (
+            cfg.ModelConfig,
+            cfg.CacheConfig,
+            cfg.SchedulerConfig,
+            cfg.LifecycleConfig,
+            cfg.ObservabilityConfig,
+            cfg.NetworkConfig,
+        ),
         "serve the scheduler (kvgrid.v1.Scheduler)",
     ),
     "tokenizer": (
         "services.tokenizer.main",
-        (cfg.ModelConfig, cfg.SchedulerConfig, cfg.ObservabilityConfig, cfg.NetworkConfig),
+        (cfg.ModelConfig, cfg.SchedulerConfig, cfg.LifecycleConfig, cfg.ObservabilityConfig, cfg.NetworkConfig),
         "serve the public API (kvgrid.v1.TextGeneration)",
     ),
 }

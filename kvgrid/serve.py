@@ -3,8 +3,12 @@
 The worker, scheduler and tokenizer start at once (the scheduler dials the worker
 with backoff, the frontend waits for the scheduler), each with its own flags from
 the shared configuration. `serve` waits until every gRPC health check answers
-SERVING, prints the endpoints, and then stays in the foreground: Ctrl-C or
-SIGTERM stops all three; one child dying stops the others and exits non-zero.
+SERVING, prints the endpoints, and then stays in the foreground. A child that
+dies after that is restarted with backoff (a worker's requests wait for it in the
+scheduler); one that keeps dying (see ``restarts``) stops the stack with exit
+code 1, as does any child dying during start-up. Ctrl-C or SIGTERM drains in
+order: the frontend first (its streams finish within --shutdown-grace), then the
+scheduler, then the worker.
 """
 
 from __future__ import annotations
@@ -17,16 +21,18 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvgrid.restarts import RestartPolicy
 from services.common import config as cfg
 
 # Order of start-up and of the summary; shutdown runs in reverse (frontend first).
 SERVICE_ORDER = ("worker", "scheduler", "tokenizer")
-STOP_GRACE_SECONDS = 15.0
+# Beyond its --shutdown-grace, how long a stopping child may take to close before it is killed.
+STOP_MARGIN_SECONDS = 10.0
 POLL_SECONDS = 0.5
 
 
@@ -36,6 +42,9 @@ class Child:
     argv: list[str]
     grpc_addr: str
     process: subprocess.Popen | None = None
+    restarts: RestartPolicy = field(default_factory=RestartPolicy)
+    # When a crashed child is due to start again (monotonic seconds); None while it runs.
+    restart_at: float | None = None
 
 
 def _say(text: str) -> None:
@@ -136,19 +145,20 @@ def first_exited(children: list[Child]) -> Child | None:
     return next((c for c in children if c.process and c.process.poll() is not None), None)
 
 
-def stop_all(children: list[Child]) -> None:
-    """SIGTERM every live child (frontend first), then SIGKILL whatever outlives the grace period."""
+def stop_all(children: list[Child], grace: float = 0.0) -> None:
+    """Stop the children one at a time in reverse start order (frontend, scheduler, worker): SIGTERM, then up
+    to ``grace`` (their --shutdown-grace) plus a margin to exit before SIGKILL. The frontend finishes its streams
+    before the scheduler is told to stop, and the scheduler its requests before the worker is."""
+    timeout = grace + STOP_MARGIN_SECONDS
     for child in reversed(children):
-        if child.process and child.process.poll() is None:
-            child.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
-    for child in reversed(children):
-        if not child.process:
+        if not child.process or child.process.poll() is not None:
             continue
+        _say(f"stopping the {child.name} (pid {child.process.pid})")
+        child.process.send_signal(signal.SIGTERM)
         try:
-            child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            child.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _say(f"the {child.name} did not stop within {STOP_GRACE_SECONDS:.0f}s; killing it")
+            _say(f"the {child.name} did not stop within {timeout:g}s; killing it")
             child.process.kill()
             child.process.wait()
 
@@ -208,12 +218,31 @@ def supervise(config: cfg.Config, children: list[Child], signals: _Signals) -> i
     print_ready(config, children)
     while True:
         if signals.received.wait(POLL_SECONDS):
-            _say(f"{signals.name} received; stopping tokenizer, scheduler and worker")
+            _say(f"{signals.name} received; draining the tokenizer, then stopping the scheduler and the worker")
             return 0
-        dead = first_exited(children)
-        if dead:
-            _say(f"{_describe_exit(dead)}; stopping the others (see its log above)")
+        if not restart_crashed(children, time.monotonic()):
             return 1
+
+
+def restart_crashed(children: list[Child], now: float) -> bool:
+    """Schedule a restart for each child that died, start those that are due; False when one crashed too often."""
+    for child in children:
+        if child.restart_at is None and child.process.poll() is not None:
+            delay = child.restarts.crashed(now)
+            if delay is None:
+                policy = child.restarts
+                _say(
+                    f"{_describe_exit(child)}: {policy.num_recent} exits within {policy.window:g}s, "
+                    "so it is not restarted again; stopping the stack (see its log above)"
+                )
+                return False
+            _say(f"{_describe_exit(child)}; restarting it in {delay:g}s (see its log above)")
+            child.restart_at = now + delay
+        elif child.restart_at is not None and now >= child.restart_at:
+            child.restart_at = None
+            start(child)
+            _say(f"restarted the {child.name} (pid {child.process.pid})")
+    return True
 
 
 def main(config: cfg.Config) -> int:
@@ -231,6 +260,6 @@ def main(config: cfg.Config) -> int:
             start(child)
         code = supervise(config, children, signals)
     finally:
-        stop_all(children)
+        stop_all(children, config.lifecycle.shutdown_grace)
     _say("stopped" if code == 0 else "stopped after an error")
     return code

@@ -8,10 +8,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from kvgrid import serve
+from kvgrid.restarts import RestartPolicy
 from services.common import config as cfg
 from tests.procs import free_ports
 
@@ -154,8 +157,52 @@ def test_a_child_that_dies_at_startup_stops_the_others(signals, capsys):
 
 
 @pytest.mark.timeout(120)
-def test_a_child_that_dies_after_ready_stops_the_others(signals, capsys, monkeypatch):
-    code, children = supervise_then(lambda children: children[0].process.kill(), signals, monkeypatch)
-    assert code == 1
-    assert "the worker was killed by signal SIGKILL; stopping the others" in capsys.readouterr().out
+def test_a_child_that_dies_after_ready_is_restarted(signals, capsys, monkeypatch):
+    restarted = []
+
+    def kill_worker_then_stop_once_restarted(children):
+        def act():  # in a thread: the supervision loop must go on meanwhile
+            worker = children[0]
+            old = worker.process
+            old.kill()
+            deadline = time.monotonic() + 60
+            while worker.process is old or not serve.is_serving(worker.grpc_addr):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            else:
+                restarted.append(worker.process.pid)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=act, daemon=True).start()
+
+    code, children = supervise_then(kill_worker_then_stop_once_restarted, signals, monkeypatch)
+    assert code == 0 and restarted, "the worker was not restarted and SERVING again"
+    out = capsys.readouterr().out
+    assert "the worker was killed by signal SIGKILL; restarting it in 1s" in out
+    assert f"restarted the worker (pid {children[0].process.pid})" in out
     assert all(c.process.poll() is not None for c in children)
+
+
+@pytest.mark.timeout(120)
+def test_a_child_that_keeps_crashing_stops_the_stack(signals, capsys, monkeypatch):
+    def crash_scheduler_for_good(children):
+        scheduler = children[1]
+        scheduler.restarts = RestartPolicy(first_backoff=0.1, max_crashes=2)
+        scheduler.argv = [sys.executable, "-c", "import sys; sys.exit(3)"]
+        scheduler.process.kill()
+
+    code, children = supervise_then(crash_scheduler_for_good, signals, monkeypatch)
+    assert code == 1
+    out = capsys.readouterr().out
+    assert "restarting it in 0.1s" in out and "restarting it in 0.2s" in out
+    assert "the scheduler exited with code 3: 3 exits within 120s, so it is not restarted again" in out
+    assert all(c.process.poll() is not None for c in children)
+
+
+def test_restart_backoff_doubles_and_too_many_crashes_in_the_window_give_up():
+    policy = RestartPolicy(first_backoff=1, max_backoff=4, max_crashes=3, window=60)
+    assert [policy.crashed(t) for t in (0, 1, 2)] == [1, 2, 4]
+    assert policy.crashed(3) is None  # the 4th within 60 s
+    policy = RestartPolicy(first_backoff=1, max_backoff=4, max_crashes=3, window=60)
+    assert [policy.crashed(t) for t in (0, 100, 200, 300)] == [1, 1, 1, 1]  # spread out: never more than one

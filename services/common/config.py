@@ -129,6 +129,9 @@ class SchedulerConfig:
     async_scheduling: bool = _opt(
         True, "plan each step while the worker runs the previous one (the worker feeds its sampled token forward)"
     )
+    worker_reconnect_timeout: float = _opt(
+        180.0, "seconds the requests of a lost worker wait for a worker to resume them before failing (UNAVAILABLE)"
+    )
 
     def validate(self) -> list[str]:
         errors = []
@@ -138,6 +141,8 @@ class SchedulerConfig:
             errors.append(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_waiting_requests < 1:
             errors.append(f"--max-waiting-requests must be >= 1, got {self.max_waiting_requests}")
+        if self.worker_reconnect_timeout < 0:
+            errors.append(f"--worker-reconnect-timeout must be >= 0, got {self.worker_reconnect_timeout}")
         return errors
 
 
@@ -149,6 +154,16 @@ class ParallelConfig:
         if self.tensor_parallel_size != 1:
             return [f"--tensor-parallel-size {self.tensor_parallel_size} is not supported; use 1"]
         return []
+
+
+@dataclass(slots=True)
+class LifecycleConfig:
+    shutdown_grace: float = _opt(
+        30.0, "seconds in-flight requests may take to finish after SIGTERM; new ones get UNAVAILABLE meanwhile"
+    )
+
+    def validate(self) -> list[str]:
+        return [f"--shutdown-grace must be >= 0, got {self.shutdown_grace}"] if self.shutdown_grace < 0 else []
 
 
 @dataclass(slots=True)
@@ -190,6 +205,7 @@ ALL_SECTIONS = (
     CacheConfig,
     SchedulerConfig,
     ParallelConfig,
+    LifecycleConfig,
     ObservabilityConfig,
     NetworkConfig,
 )
@@ -289,6 +305,7 @@ class Config:
     cache: CacheConfig | None = None
     scheduler: SchedulerConfig | None = None
     parallel: ParallelConfig | None = None
+    lifecycle: LifecycleConfig | None = None
     observability: ObservabilityConfig | None = None
     network: NetworkConfig | None = None
 

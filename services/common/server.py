@@ -8,6 +8,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.unparsable import UnparsableRequests
+
 # Handshakes carry tokenizer files (a few MB); allow far more than gRPC's 4 MB default.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -28,7 +30,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def new_server(interceptors=()) -> grpc.aio.Server:
-    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+    """A server whose unparsable requests answer INVALID_ARGUMENT (see ``unparsable``)."""
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=[UnparsableRequests(), *interceptors])
 
 
 def insecure_channel(addr: str, interceptors=()) -> grpc.aio.Channel:

@@ -5,10 +5,16 @@ scheduler sized from the reply, report ready, then plan → send → await the
 result → update → deliver, for as long as there is work. With async scheduling
 the next plan is sent before the current result is read, so the worker always
 has the next step queued while it runs one (at most two plans are in flight).
-Delivery ends with one flush per connected frontend: one message per step each.
-When the worker stream breaks (or the worker breaks the protocol), every live
-request fails with UNAVAILABLE, the scheduler is dropped (nothing stale
-survives) and the loop dials again; frontend streams stay connected.
+Delivery ends with one flush per connected frontend: one message per step each;
+frontend streams stay connected whatever happens to the worker.
+When the worker's stream breaks, its requests are parked as preempted (blocks
+released, prompt and streamed tokens kept, a token in flight discarded; see
+``Scheduler.evacuate``), the scheduler is dropped (nothing stale survives) and
+the loop dials again: the next worker's scheduler adopts them and resumes them
+by recompute. If no worker completes a handshake within
+``--worker-reconnect-timeout`` they fail with UNAVAILABLE. When the worker
+breaks the protocol, or the step loop itself fails, live requests fail at once
+(resuming them could repeat the failure).
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ import grpc
 
 from kvgrid.v1 import scheduler_pb2, worker_pb2
 from services.common.config import Config
-from services.common.errors import Unavailable
+from services.common.errors import ResourceExhausted, Unavailable
 from services.common.metrics import SchedulerMetrics
 from services.scheduler.admission import AdmissionLimits, admit
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.convert import plan_to_proto, sampled_from_proto
 from services.scheduler.frontends import FrontendRequest, FrontendStream
 from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerLimits, SchedulerOutput, WorkerProtocolError
 from services.scheduler.streams import RequestStream
 from services.scheduler.worker_link import WorkerSession, connect
@@ -38,7 +45,14 @@ log = logging.getLogger(__name__)
 
 
 class WorkerLost(ConnectionError):
-    pass
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+        super().__init__(message)
+        self.code = code
+
+
+# How a stream ends when the worker process or the connection went away, rather than the worker failing a step:
+# only then are its requests kept for the next worker (a request that makes the worker fail would fail again).
+_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
 def build_scheduler(info: worker_pb2.HandshakeResponse, config: Config) -> tuple[Scheduler, AdmissionLimits]:
@@ -81,15 +95,29 @@ class Engine:
         self.frontends: set[FrontendStream] = set()
         # Plans sent ahead of their results: 2 with async scheduling, 1 without.
         self._max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        # Requests of a lost worker waiting for the next one (in resume order), and until when they may wait.
+        self._parked: list[Request] = []
+        self._parked_until = 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         # Counters of sessions that ended, so GetStats counts since start.
         self._past = {"queries": 0, "hits": 0, "preemptions": 0}
         self._num_steps = 0
+        self._draining = False
 
     @property
     def ready(self) -> bool:
         return self._core is not None
+
+    @property
+    def num_live(self) -> int:
+        """Requests not finished yet (running, waiting, or parked for the next worker)."""
+        return len(self._streams)
+
+    def drain(self) -> None:
+        """Shutdown began: new requests are refused, live ones go on (see SchedulerServer.stop)."""
+        self._draining = True
+        self._on_ready(False)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="scheduler-step-loop")
@@ -102,12 +130,15 @@ class Engine:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        self._fail_parked("the scheduler is shutting down")
 
     def submit(
         self, msg: scheduler_pb2.SubmitRequest, trace_context: dict[str, str], make_stream=RequestStream
     ) -> RequestStream | FrontendRequest:
         """Admit a request; ``make_stream(request)`` builds where its outputs go. Raises KvgridError."""
         core = self._core
+        if self._draining:
+            raise Unavailable("the scheduler is shutting down and takes no new requests")
         if core is None:
             raise Unavailable(f"no worker is ready yet (waiting for the worker at {self.config.network.worker_addr})")
         request = admit(msg, self._admission, core.requests, core.num_waiting)
@@ -121,9 +152,11 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Abort a live request (its blocks are freed at once); False when none has that id."""
         stream = self._streams.pop(request_id, None)
-        if stream is None or self._core is None:
+        if stream is None:
             return False
-        self._core.abort_request(request_id)
+        if self._core is not None:
+            self._core.abort_request(request_id)
+        self._parked = [request for request in self._parked if request.request_id != request_id]
         stream.abort()
         self._wake.set()
         return True
@@ -153,6 +186,7 @@ class Engine:
         )
         core = self._core
         if core is None:
+            stats.num_waiting = len(self._parked)
             return stats
         pool = core.kv.pool
         stats.num_running = core.num_running
@@ -169,8 +203,9 @@ class Engine:
 
     async def _run(self) -> None:
         while True:
-            session = await connect(self.config)
+            session = await self._connect()
             reason = "the worker connection was lost"  # replaced below by what actually happened
+            park = False
             try:
                 self._begin(session)
                 await self._drive(session)
@@ -179,16 +214,45 @@ class Engine:
                 raise
             except (grpc.aio.AioRpcError, WorkerLost, WorkerProtocolError) as e:
                 reason = f"the worker stream failed ({_describe(e)})"
+                park = _worker_gone(e)
                 log.warning("%s; dialing the worker again", reason)
             except Exception as e:
                 reason = f"the scheduler's step loop failed ({type(e).__name__}: {e})"
                 log.exception("step loop failed; dialing the worker again")
             finally:
-                await self._end(session, reason)
+                await self._end(session, reason, park)
+
+    async def _connect(self) -> WorkerSession:
+        """The next worker; parked requests fail once their wait runs out, and dialing goes on."""
+        if self._parked:
+            try:
+                return await asyncio.wait_for(connect(self.config), self._parked_until - time.monotonic())
+            except TimeoutError:
+                timeout = self.config.scheduler.worker_reconnect_timeout
+                self._fail_parked(f"no worker came back at {self.config.network.worker_addr} within {timeout:g}s")
+        return await connect(self.config)
+
+    def _fail_parked(self, reason: str) -> None:
+        parked, self._parked = self._parked, []
+        for request in parked:
+            stream = self._streams.pop(request.request_id, None)
+            if stream is not None:
+                stream.fail(Unavailable(f"request {request.request_id!r} failed: the worker was lost and {reason}"))
 
     def _begin(self, session: WorkerSession) -> None:
         info = session.info
         self._core, self._admission = build_scheduler(info, self.config)
+        parked, self._parked = self._parked, []
+        for request in self._core.adopt(parked):
+            stream = self._streams.pop(request.request_id)
+            stream.fail(
+                ResourceExhausted(
+                    f"request {request.request_id!r} failed: it holds {request.num_tokens} tokens, more than the "
+                    f"new worker's KV cache can compute again ({self._core.max_seq_len} tokens)"
+                )
+            )
+        if parked:
+            log.info("resuming %d requests of the lost worker by recompute", len(parked))
         self.worker_info = info
         if self.metrics is not None:
             self.metrics.kv_blocks_total.set(info.num_blocks)
@@ -200,9 +264,9 @@ class Engine:
             info.block_size,
             self._core.max_seq_len,
         )
-        self._on_ready(True)
+        self._on_ready(not self._draining)
 
-    async def _end(self, session: WorkerSession, reason: str) -> None:
+    async def _end(self, session: WorkerSession, reason: str, park: bool) -> None:
         self._on_ready(False)
         core, self._core = self._core, None
         self.worker_info = None
@@ -210,14 +274,24 @@ class Engine:
             self._past["queries"] += core.kv.prefix_queries
             self._past["hits"] += core.kv.prefix_hits
             self._past["preemptions"] += core.num_preemptions
-        streams, self._streams = self._streams, {}
+            if park:
+                self._park(core.evacuate())
+        streams = self._streams
+        self._streams = {request.request_id: streams.pop(request.request_id) for request in self._parked}
         for stream in streams.values():
             stream.fail(Unavailable(f"request {stream.request.request_id!r} failed: {reason}"))
         if self.metrics is not None:
             self.metrics.num_running.set(0)
-            self.metrics.num_waiting.set(0)
+            self.metrics.num_waiting.set(len(self._parked))
             self.metrics.kv_cache_usage.set(0)
         await session.channel.close()
+
+    def _park(self, requests: list[Request]) -> None:
+        if not requests:
+            return
+        timeout = self.config.scheduler.worker_reconnect_timeout
+        self._parked, self._parked_until = requests, time.monotonic() + timeout
+        log.warning("%d requests wait up to %gs for a worker to resume them", len(requests), timeout)
 
     async def _drive(self, session: WorkerSession) -> None:
         core = self._core
@@ -259,7 +333,7 @@ class Engine:
             await self._wake.wait()
         if call.done():
             code, details = await call.code(), await call.details()
-            raise WorkerLost(f"the Execute stream ended ({code.name}: {details or 'no details'})")
+            raise WorkerLost(f"the Execute stream ended ({code.name}: {details or 'no details'})", code)
 
     def _deliver(self, outputs) -> None:
         streams = self._streams
@@ -300,3 +374,9 @@ def _describe(e: BaseException) -> str:
     if isinstance(e, grpc.aio.AioRpcError):
         return f"{e.code().name}: {e.details()}"
     return str(e)
+
+
+def _worker_gone(e: BaseException) -> bool:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return e.code() in _GONE
+    return isinstance(e, WorkerLost) and e.code in _GONE

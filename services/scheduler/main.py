@@ -25,8 +25,9 @@ async def serve(config: Config) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     await stopping.wait()
-    log.info("stopping: failing in-flight requests and closing")
-    await server.stop()
+    grace = config.lifecycle.shutdown_grace
+    log.info("stopping: NOT_SERVING, refusing new requests, finishing live ones for up to %gs", grace)
+    await server.stop(grace)
     return 0
 
 

@@ -224,12 +224,7 @@ class Scheduler:
         self.kv.free(request)
         if request.on_worker:
             self._drop_on_worker.append(request.request_id)
-        request.on_worker = False
-        request.num_blocks_sent = 0
-        request.num_computed_tokens = 0
-        request.num_output_placeholders = 0  # a token still in flight for it is discarded when it arrives
-        request.num_preemptions += 1
-        request.status = RequestStatus.PREEMPTED
+        _reset_for_recompute(request)
         self.num_preemptions += 1
         out.preempted_ids.append(request.request_id)
         self.waiting.add_preempted(request)
@@ -241,6 +236,34 @@ class Scheduler:
             return False
         num_tokens = len(request.all_token_ids) + pending
         return num_tokens >= self.max_seq_len or num_tokens - request.num_prompt_tokens >= request.stop.max_tokens
+
+    def evacuate(self) -> list[Request]:
+        """The worker is gone, and its KV cache with it: every live request leaves this scheduler as if preempted
+        (blocks released, prompt and outputs kept). Running requests come first in admission order, then the
+        waiting queue in its order: the order in which ``adopt`` resumes them."""
+        requests = [*self.running, *self.waiting]
+        for request in requests:
+            self.kv.free(request)
+            _reset_for_recompute(request)
+        self.running = []
+        self.waiting = make_waiting_queue(self.limits.policy)
+        self.requests = {}
+        self._drop_on_worker = []
+        return requests
+
+    def adopt(self, requests: Iterable[Request]) -> list[Request]:
+        """Take requests evacuated from another worker's pool; they resume by recompute ahead of any request
+        that arrives later (they keep their arrival order). Returns, without taking them, those whose tokens
+        already reach this pool's longest sequence: they can never be computed here again."""
+        rejected = []
+        for request in requests:
+            if request.num_tokens >= self.max_seq_len:
+                rejected.append(request)
+                continue
+            self.requests[request.request_id] = request
+            self.waiting.add(request)
+            self._next_arrival = max(self._next_arrival, request.arrival_seq + 1)
+        return rejected
 
     def update_from_output(self, out: SchedulerOutput, sampled: Iterable[tuple[str, int, Any]]) -> list[RequestOutput]:
         """Apply a step's sampled tokens ``(request_id, token_id, logprob)``; returns them with finish states.
@@ -304,3 +327,13 @@ class Scheduler:
             self._drop_on_worker.append(request.request_id)
         request.on_worker = False
         request.status = status
+
+
+def _reset_for_recompute(request: Request) -> None:
+    """Back to a waiting request that holds no blocks; its tokens are computed again when it is next admitted."""
+    request.on_worker = False
+    request.num_blocks_sent = 0
+    request.num_computed_tokens = 0
+    request.num_output_placeholders = 0  # a token still in flight for it is discarded when it arrives
+    request.num_preemptions += 1
+    request.status = RequestStatus.PREEMPTED

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -17,6 +19,7 @@ from services.scheduler.servicer import SchedulerServicer
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+DRAIN_POLL_S = 0.05
 
 
 @dataclass(slots=True)
@@ -28,10 +31,16 @@ class SchedulerServer:
     metrics: SchedulerMetrics
 
     async def stop(self, grace: float = 2.0) -> None:
-        """Stop accepting, report NOT_SERVING, fail in-flight requests with UNAVAILABLE, then close."""
-        self.health.set(False)
+        """Report NOT_SERVING and refuse new requests, let live ones finish for up to ``grace`` seconds, fail
+        what is left with UNAVAILABLE, then close."""
+        self.engine.drain()
+        deadline = time.monotonic() + grace
+        while self.engine.num_live and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self.engine.num_live:
+            log.warning("%d requests still live after the %gs shutdown grace", self.engine.num_live, grace)
         await self.engine.stop()
-        await self.server.stop(grace)
+        await self.server.stop(0.5)
 
 
 async def start(config: Config, serve_metrics: bool = False) -> SchedulerServer:

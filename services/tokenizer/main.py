@@ -13,8 +13,6 @@ from services.tokenizer.server import start_tokenizer
 
 log = logging.getLogger("services.tokenizer")
 
-SHUTDOWN_GRACE_S = 10.0
-
 
 async def _serve(config: Config) -> int:
     net = config.network
@@ -28,8 +26,9 @@ async def _serve(config: Config) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("shutting down: finishing running streams for up to %.0fs", SHUTDOWN_GRACE_S)
-    await server.stop(SHUTDOWN_GRACE_S)
+    grace = config.lifecycle.shutdown_grace
+    log.info("shutting down: NOT_SERVING, refusing new requests, finishing running streams for up to %gs", grace)
+    await server.stop(grace)
     return 0
 
 

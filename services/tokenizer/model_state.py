@@ -7,6 +7,7 @@ change of that flips the gRPC health status and /health through ``on_change``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -36,6 +37,10 @@ class ModelState:
         self._files: dict[str, bytes] = {}
         self._served_model_name = served_model_name
         self._on_change = on_change
+        # Generation streams in flight (gRPC and HTTP alike), so that a drain knows when they are done.
+        self._num_streams = 0
+        self._no_streams = asyncio.Event()
+        self._no_streams.set()
 
     @property
     def serving(self) -> bool:
@@ -70,10 +75,27 @@ class ModelState:
         self._notify(was)
 
     def drain(self) -> None:
-        """Shutdown began: report NOT_SERVING (gRPC health and /health) while running streams finish."""
+        """Shutdown began: report NOT_SERVING (gRPC health and /health) and refuse new requests with UNAVAILABLE
+        while running streams finish."""
         was = self.serving
         self.draining = True
         self._notify(was)
+
+    def stream_started(self) -> None:
+        """Call when a generation stream starts, and ``stream_ended`` when it ends: a drain waits for them."""
+        self._num_streams += 1
+        self._no_streams.clear()
+
+    def stream_ended(self) -> None:
+        self._num_streams -= 1
+        if self._num_streams == 0:
+            self._no_streams.set()
+
+    async def wait_streams_done(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for the streams in flight to end; returns how many are left."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._no_streams.wait(), timeout)
+        return self._num_streams
 
     def _notify(self, was: bool) -> None:
         if self.serving != was:
@@ -91,6 +113,8 @@ class ModelState:
         return self.info
 
     def require_serving(self) -> tuple[TextTokenizer, ModelLimits]:
+        if self.draining:
+            raise Unavailable("this frontend is shutting down and takes no new requests; retry on another replica")
         tokenizer, _ = self.require_tokenizer(), self.require_info()
         if not self.scheduler_serving:
             raise Unavailable(f"the scheduler at {self.scheduler_addr} is not serving")

@@ -43,10 +43,14 @@ class TokenizerServer:
     port: int
     http_port: int
 
-    async def stop(self, grace: float | None = 5.0) -> None:
-        """Refuse new calls, let running streams finish for up to ``grace`` seconds, then close everything."""
+    async def stop(self, grace: float = 5.0) -> None:
+        """Report NOT_SERVING and refuse new requests (UNAVAILABLE, with a reason), let the streams in flight
+        finish for up to ``grace`` seconds, then close everything (what is still running is cancelled)."""
         self.state.drain()
-        await self.server.stop(grace)
+        left = await self.state.wait_streams_done(grace)
+        if left:
+            log.warning("%d streams still running after the %gs shutdown grace; cancelling them", left, grace)
+        await self.server.stop(0)
         await self.http.close()
         await self.engine.close()
 

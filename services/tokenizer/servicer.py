@@ -103,7 +103,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         num_chars = sum(len(m.content) for m in messages)
         return await _off_loop(tokenizer.encode_chat, _messages(messages), num_chars)
 
-    def _stream(
+    async def _stream(
         self,
         tokenizer: TextTokenizer,
         limits: v.ModelLimits,
@@ -115,6 +115,13 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         request_id = request_id or uuid.uuid4().hex
         parent = context_from_metadata(context)
-        return generate(
+        stream = generate(
             self._engine, tokenizer, limits, request_id, prompt_ids, sampling, parent_context=parent, tracked=tracked
         )
+        self._state.stream_started()  # a drain waits for the streams that started before it
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+            self._state.stream_ended()

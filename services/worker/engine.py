@@ -15,6 +15,7 @@ import torch
 from .attention import get_backend
 from .cpu_kernels.library import NativeKernelsUnavailable
 from .cpu_kernels.library import load as load_native_kernels
+from .gguf_cache import cached_source
 from .kv_cache import allocate_kv_cache
 from .loader import ModelLoadError, ModelSource, build_model, read_config, resolve_source
 from .memory import MemoryFigures, bytes_per_block, check_fits, cpu_figures, cuda_figures, read_meminfo
@@ -95,7 +96,7 @@ def load_model(
     CPU without bfloat16 units should do (see ``models.llama.Linear``). ``cpu_kernels``: see
     ``attach_cpu_kernels``."""
     started = time.perf_counter()
-    source = resolve_source(model_path, load_format)
+    source = cached_source(resolve_source(model_path, load_format))
     torch_device = resolve_device(device)
     free_at_start = torch.cuda.mem_get_info(torch_device)[0] if torch_device.type == "cuda" else None
     torch_dtype = resolve_dtype(dtype, torch_device)

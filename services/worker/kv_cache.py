@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -20,5 +21,16 @@ def allocate_kv_cache(
     request's length, and a masked probability of 0 times a NaN left in uninitialised memory
     would still be NaN.
     """
-    cache = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    if torch.device(device).type == "cpu":
+        cache = _lazily_zeroed(shape, dtype)
+    else:
+        cache = torch.zeros(shape, dtype=dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]
+
+
+def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeros that cost nothing until touched: numpy's zeros is calloc, which hands out fresh pages the kernel
+    zero-fills on first use, where ``torch.zeros`` writes every byte up front (seconds per GiB)."""
+    raw = np.zeros((*shape[:-1], shape[-1] * dtype.itemsize), dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype)

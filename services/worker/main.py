@@ -47,7 +47,8 @@ async def _serve(config: Config) -> int:
         loop.add_signal_handler(sig, stop.set)
     worker = await start_worker(config, config.network.worker_port, metrics)
     await stop.wait()
-    log.info("stopping: finishing in-flight steps")
-    await worker.stop(grace=5.0)
+    grace = config.lifecycle.shutdown_grace
+    log.info("stopping: NOT_SERVING, finishing the requests held for up to %gs", grace)
+    await worker.stop(grace)
     tracing.shutdown_tracing()
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -19,6 +20,7 @@ from .service import WorkerServicer
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+DRAIN_POLL_S = 0.05
 
 
 @dataclass(slots=True)
@@ -30,8 +32,17 @@ class RunningWorker:
     core: WorkerCore
 
     async def stop(self, grace: float | None = 5.0) -> None:
+        """Report NOT_SERVING and refuse new handshakes; keep running the steps of the requests it holds until
+        they finish (the scheduler drops them) or ``grace`` seconds pass; then close."""
         self.health.set(False)
-        await self.server.stop(grace)
+        self.servicer.draining = True
+        grace = grace or 0.0
+        deadline = time.monotonic() + grace
+        while self.servicer.num_requests and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self.servicer.num_requests:
+            log.warning("%d requests still held after the %gs shutdown grace", self.servicer.num_requests, grace)
+        await self.server.stop(0.5)
         self.servicer.shutdown()
 
 

@@ -32,6 +32,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # cores and stops spin-waiting between parallel regions. A batch-1 decode step on 2 cores went
         # from 17 to 25 ms that way.
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-model")
+        # The request states of each open Execute stream, so that a drain knows when they are done.
+        self._open: list[RequestStates] = []
+        self.draining = False
+
+    @property
+    def num_requests(self) -> int:
+        """Requests held on all open Execute streams."""
+        return sum(len(states.requests) for states in self._open)
 
     def attach(self, core: WorkerCore) -> None:
         self.core = core
@@ -44,6 +52,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     @grpc_errors
     async def Handshake(self, request, context):
         core = self._ready()
+        if self.draining:
+            raise Unavailable("the worker is shutting down; dial its replacement")
         log.info("handshake from scheduler %r", request.scheduler_id or "?")
         return core.handshake
 
@@ -62,6 +72,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         spans = _RequestSpans()
         loop = asyncio.get_running_loop()
         log.info("execute stream opened")
+        self._open.append(states)
         try:
             async for plan in request_iterator:
                 started = time.perf_counter()
@@ -77,6 +88,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     step_id=plan.step_id, sampled=[_sampled(row) for row in rows], execute_seconds=seconds
                 )
         finally:
+            self._open.remove(states)
             spans.end(list(spans.open))
             log.info("execute stream closed with %d requests in flight", len(states.requests))
 

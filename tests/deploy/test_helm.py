@@ -224,6 +224,12 @@ def test_containers_are_configured_by_known_kvgrid_variables(rendered, variant):
             assert container["envFrom"][0]["configMapRef"]["name"] == configmap["metadata"]["name"]
 
 
+def test_termination_grace_follows_the_shutdown_grace(chart):
+    objects, _ = _render(chart, {"config": {"KVGRID_SHUTDOWN_GRACE": "90.5"}, "tokenizer": {"preStopSleepSeconds": 3}})
+    for workload in _workloads(objects):
+        assert workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 91 + 3 + 10
+
+
 def test_config_values_reach_the_configmap(chart):
     objects, _ = _render(chart, {"config": {"KVGRID_MAX_NUM_SEQS": "7", "KVGRID_DTYPE": "float16"}})
     data = _kind(objects, "ConfigMap")[0]["data"]
@@ -234,6 +240,7 @@ def test_config_values_reach_the_configmap(chart):
     "values",
     [
         {"config": {"KVGRID_DTYPE": "fp8"}},
+        {"config": {"KVGRID_SHUTDOWN_GRACE": "-1"}},
         {"config": {"KVGRID_MAX_NUM_SEQ": "8"}},
         {"groups": 0},
         {"worker": {"gpu": {"count": 2}}},
@@ -263,7 +270,7 @@ def test_disruption_budgets_cover_every_workload(rendered, variant):
         labels = workload["spec"]["template"]["metadata"]["labels"]
         assert any(_matches(b["spec"]["selector"]["matchLabels"], labels) for b in budgets), workload["metadata"]
         pod = workload["spec"]["template"]["spec"]
-        assert pod["terminationGracePeriodSeconds"] >= 30
+        assert pod["terminationGracePeriodSeconds"] == 30 + 5 + 10  # shutdown grace + preStop sleep + margin
         assert pod["securityContext"]["runAsNonRoot"] is True
 
 

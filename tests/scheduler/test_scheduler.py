@@ -230,3 +230,43 @@ def test_a_missing_sample_is_a_protocol_error():
     out = s2.schedule()  # a partial prefill must not sample
     with pytest.raises(WorkerProtocolError):
         s2.update_from_output(out, [("a", 5, None)])
+
+
+def test_a_lost_worker_s_requests_resume_on_a_fresh_smaller_pool_with_the_same_tokens():
+    old = make_scheduler(num_blocks=16, block_size=4, max_model_len=40)
+    d = Driver(old)
+    old.add_request(make_request("a", [1, 2, 3], max_tokens=12))
+    old.add_request(make_request("b", [4, 5, 6, 7, 8], max_tokens=12))
+    for _ in range(4):
+        d.step()
+    old.add_request(make_request("c", [9, 9], max_tokens=3))  # still waiting when the worker dies
+    old.add_request(make_request("long", [1] * 17, max_tokens=4))
+    old.waiting.remove(old.requests["long"])  # keep it waiting behind "c" in the same queue order
+    old.waiting.add(old.requests["long"])
+    before = {rid: list(old.requests[rid].all_token_ids) for rid in ("a", "b")}
+    assert all(len(tokens) > 5 for tokens in before.values())  # both streamed outputs before the loss
+
+    moved = old.evacuate()
+    assert [r.request_id for r in moved] == ["a", "b", "c", "long"]  # running in admission order, then waiting
+    assert old.kv.pool.num_used_blocks == 0 and not old.has_work() and old.requests == {}
+    assert all(r.num_computed_tokens == 0 and not r.on_worker and r.status is RequestStatus.PREEMPTED for r in moved)
+    assert {r.request_id: r.all_token_ids for r in moved[:2]} == before
+
+    # The new worker's pool holds 16 tokens: "long" (17 prompt tokens) could never be computed there.
+    new = make_scheduler(num_blocks=4, block_size=4, max_model_len=40)
+    rejected = new.adopt(moved)
+    assert [r.request_id for r in rejected] == ["long"] and "long" not in new.requests
+    new.add_request(make_request("later", [2, 2], max_tokens=2))
+    first = new.schedule()
+    # Resumed requests go first, in full (the fresh worker holds nothing), computed again from position 0.
+    assert first.new_requests[0].request.request_id == "a" and first.new_requests[0].num_computed_tokens == 0
+    assert first.new_requests[0].request.all_token_ids == before["a"]
+    d2 = Driver(new)
+    d2.answer(first)
+    outputs = d2.run()
+    for rid, prompt, max_tokens in (("a", [1, 2, 3], 12), ("b", [4, 5, 6, 7, 8], 12), ("c", [9, 9], 3)):
+        # Never more than the new pool holds: a request reaching 16 tokens ends with "length".
+        limit = min(max_tokens, new.max_seq_len - len(prompt))
+        assert d.outputs.get(rid, []) + outputs[rid] == generate(prompt, limit, VOCAB), rid
+    assert outputs["later"] == generate([2, 2], 2, VOCAB)
+    assert new.kv.pool.num_used_blocks == 0 and new.requests == {}

@@ -99,35 +99,65 @@ def test_logprobs_and_cached_token_counts_reach_the_caller():
     run(body())
 
 
-def test_killing_the_worker_fails_open_streams_and_a_new_worker_is_picked_up():
+def test_a_lost_worker_s_requests_resume_on_the_next_worker_without_a_missing_or_repeated_token():
     async def body():
         async with stack(worker_kw={"num_blocks": 32, "block_size": 4, "step_delay": 0.01}) as s:
-            calls = [
-                s.stub.Submit(submit_request(f"k{i}", [1, 2, 3, i], max_tokens=500, ignore_eos=True)) for i in range(3)
-            ]
-            for call in calls:
-                await _first_tokens(call)
+            prompts = {f"k{i}": [1, 2, 3, i] for i in range(3)}
+            calls = {
+                rid: s.stub.Submit(submit_request(rid, p, max_tokens=40, ignore_eos=True)) for rid, p in prompts.items()
+            }
+            before = {rid: await _first_tokens(call, 3) for rid, call in calls.items()}
             port = s.worker.port
             await s.worker.stop()
-            for call in calls:
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    async for _ in call:
-                        pass
-                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             stats = await s.wait_for(lambda st: not st.worker_ready)
+            assert stats.num_waiting == 3  # parked, not failed
             assert await s.health() == NOT_SERVING
-            with pytest.raises(grpc.aio.AioRpcError) as e:
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # no worker: nothing to size a new request against
                 await collect(s.stub, submit_request("early", [1, 2]))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
 
-            # The worker comes back on the same address, with a different pool: a fresh handshake sizes it.
+            # The worker comes back on the same address, with a smaller pool: a fresh handshake sizes it.
             s.worker = await start_fake_worker(port=port, num_blocks=20, block_size=4)
-            stats = await s.wait_for(lambda st: st.worker_ready)
-            assert stats.num_blocks_total == 20 and stats.num_blocks_used == 0 and stats.num_running == 0
+            for rid, call in calls.items():
+                rest = [t async for response in call for t in response.token_ids]
+                assert before[rid] + rest == generate(prompts[rid], 40, VOCAB), rid
+            stats = await s.wait_for(lambda st: st.worker_ready and st.num_blocks_used == 0)
+            assert stats.num_blocks_total == 20 and stats.num_running == 0 and stats.num_waiting == 0
             assert await s.health() == SERVING
-            tokens, finish, _ = await collect(s.stub, submit_request("k0", [1, 2, 3, 0], max_tokens=4))
-            assert tokens == generate([1, 2, 3, 0], 4, VOCAB)
             assert s.worker.worker.num_handshakes == 1 and s.worker.worker.errors == []
+
+    run(body())
+
+
+def test_requests_fail_unavailable_when_no_worker_returns_in_time_or_cannot_fit_the_new_pool():
+    async def body():
+        worker_kw = {"num_blocks": 32, "block_size": 4, "step_delay": 0.01}
+        async with stack(worker_kw=worker_kw, worker_reconnect_timeout=0.5) as s:
+            call = s.stub.Submit(submit_request("t", [1, 2, 3], max_tokens=100, ignore_eos=True))
+            await _first_tokens(call)
+            port = s.worker.port
+            await s.worker.stop()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in call:
+                    pass
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "the worker was lost and no worker came back" in e.value.details()
+            assert (await s.stats()).num_waiting == 0
+
+            # A request whose tokens outgrow the next worker's whole pool fails with RESOURCE_EXHAUSTED.
+            s.worker = await start_fake_worker(port=port, **worker_kw)
+            await s.wait_for(lambda st: st.worker_ready)
+            call = s.stub.Submit(submit_request("big", [1] * 20, max_tokens=100, ignore_eos=True))
+            await _first_tokens(call)
+            await s.worker.stop()
+            await s.wait_for(lambda st: not st.worker_ready)
+            s.worker = await start_fake_worker(port=port, num_blocks=4, block_size=4)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in call:
+                    pass
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "new worker" in e.value.details()
+            stats = await s.wait_for(lambda st: st.worker_ready)
+            assert stats.num_blocks_used == 0 and stats.num_waiting == 0 and stats.num_running == 0
 
     run(body())
 
@@ -291,6 +321,24 @@ def test_graceful_stop_fails_in_flight_requests_with_unavailable():
                 async for _ in call:
                     pass
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
+
+    run(body())
+
+
+def test_a_draining_scheduler_finishes_live_requests_and_refuses_new_ones():
+    async def body():
+        async with stack(worker_kw={"step_delay": 0.01}) as s:
+            call = s.stub.Submit(submit_request("d", [1, 2, 3], max_tokens=30, ignore_eos=True))
+            first = await _first_tokens(call)
+            stopping = asyncio.create_task(s.scheduler.stop(grace=60))
+            await asyncio.sleep(0.05)
+            assert await s.health() == NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await collect(s.stub, submit_request("late", [1, 2]))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
+            rest = [t async for response in call for t in response.token_ids]
+            assert first + rest == generate([1, 2, 3], 30, VOCAB)
+            await stopping
 
     run(body())
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -17,6 +19,7 @@ from kvgrid.v1 import worker_pb2, worker_pb2_grpc
 from tests.worker.tiny import save_tiny_model, save_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
+SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +87,38 @@ def test_refuses_a_cache_smaller_than_one_sequence(tiny_dir):
     assert proc.returncode == 1 and "Traceback" not in err
     (line,) = [x for x in err.splitlines() if x.startswith("kvgrid worker: ")]
     assert "--max-model-len 256 tokens needs 16 blocks" in line and "raise --kv-cache-memory" in line
+
+
+def test_sigterm_drains_the_requests_it_holds_before_exiting(tiny_dir):
+    proc = _worker(tiny_dir, "--kv-cache-memory", "1MiB", "--shutdown-grace", "120")
+    plans: queue.Queue = queue.Queue()
+    try:
+        port, lines = _wait_ready(proc)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            results = stub.Execute(iter(plans.get, None), timeout=120)
+            new = worker_pb2.NewRequest(
+                request_id="a", token_ids=[3, 1, 4], num_prompt_tokens=3, block_ids=[5], num_scheduled_tokens=3
+            )
+            plans.put(worker_pb2.StepPlan(step_id=1, new_requests=[new]))
+            assert next(results).step_id == 1
+            proc.send_signal(signal.SIGTERM)
+            health = health_pb2_grpc.HealthStub(channel)
+            while health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == SERVING:
+                time.sleep(0.05)
+            with pytest.raises(grpc.RpcError) as e:  # a draining worker takes no new scheduler
+                stub.Handshake(worker_pb2.HandshakeRequest(scheduler_id="late"), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            # It still runs the steps of the request it holds, until the scheduler drops it.
+            running = worker_pb2.RunningRequest(request_id="a", num_scheduled_tokens=1)
+            plans.put(worker_pb2.StepPlan(step_id=2, running=[running]))
+            assert next(results).step_id == 2 and proc.poll() is None
+            plans.put(worker_pb2.StepPlan(step_id=3, finished_ids=["a"]))
+            assert next(results).step_id == 3
+            plans.put(None)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        plans.put(None)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -127,3 +127,10 @@ affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
+
+{{/* KVGRID_SHUTDOWN_GRACE (rounded up) + the tokenizer's preStop sleep + 10 s to close: the same for every pod,
+     so that a pod is never killed while it drains. */}}
+{{- define "kvgrid.terminationGracePeriodSeconds" -}}
+{{- $grace := .Values.config.KVGRID_SHUTDOWN_GRACE | default "30" | float64 | ceil | int -}}
+{{- add $grace (.Values.tokenizer.preStopSleepSeconds | default 0 | int) 10 -}}
+{{- end }}

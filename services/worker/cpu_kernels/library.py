@@ -21,6 +21,8 @@ import tempfile
 from ctypes import c_float, c_int, c_int64, c_void_p
 from pathlib import Path
 
+from ..cache_dir import cache_root
+
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 FLAGS = ("-O3", "-std=gnu11", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 DTYPE_CODES = {"float32": 0, "bfloat16": 1}  # see decode_kernels.c
@@ -62,10 +64,7 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("KVGRID_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "kvgrid"
-    )
-    return Path(root) / "native"
+    return cache_root() / "native"
 
 
 def _compiler() -> str:
