@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from kvgrid.v1 import generate_pb2, worker_pb2
 from services.common.errors import Unavailable
+from services.tokenizer.grammar_check import GrammarChecker
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.tokenizer.validation import ModelLimits
 
@@ -36,6 +37,8 @@ class ModelState:
         self._files: dict[str, bytes] = {}
         self._served_model_name = served_model_name
         self._on_change = on_change
+        self._grammars = GrammarChecker()
+        self._grammars_for: tuple = ()  # (tokenizer, vocab size, EOS ids) the checker was built for
 
     @property
     def serving(self) -> bool:
@@ -50,6 +53,7 @@ class ModelState:
             self.tokenizer = await asyncio.to_thread(TextTokenizer.from_files, files)
             self._files = files
             log.info("tokenizer loaded from the worker's files (%s)", ", ".join(sorted(files)))
+        await self._build_grammar_checker(info)
         if self.info is None or self.info.worker_id != info.worker_id:
             log.info(
                 "worker %s: model %s, max_model_len %d, %d KV blocks of %d tokens on %s",
@@ -63,6 +67,17 @@ class ModelState:
         was = self.serving
         self.info = info
         self._notify(was)
+
+    async def _build_grammar_checker(self, info: worker_pb2.HandshakeResponse) -> None:
+        tokenizer = self.tokenizer
+        vocab_size = info.vocab_size or tokenizer.vocab_size
+        basis = (tokenizer, vocab_size, tuple(info.eos_token_ids))
+        if basis != self._grammars_for:
+            json_text = tokenizer.to_json()
+            self._grammars = await asyncio.to_thread(GrammarChecker.build, json_text, vocab_size, info.eos_token_ids)
+            self._grammars_for = basis
+            if self._grammars.unavailable:
+                log.warning("structured outputs are unavailable: %s", self._grammars.unavailable)
 
     def set_scheduler_serving(self, serving: bool) -> None:
         was = self.serving
@@ -99,7 +114,7 @@ class ModelState:
     def limits(self) -> ModelLimits:
         info = self.require_info()
         vocab_size = info.vocab_size or self.require_tokenizer().vocab_size
-        return ModelLimits(max_model_len=info.max_model_len, vocab_size=vocab_size)
+        return ModelLimits(max_model_len=info.max_model_len, vocab_size=vocab_size, grammars=self._grammars)
 
     def model_info(self) -> generate_pb2.ModelInfo:
         info = self.require_info()
