@@ -54,6 +54,16 @@ class Aborted(KvgridError):
     code = grpc.StatusCode.ABORTED
 
 
+def error_for_code(code: grpc.StatusCode, message: str) -> KvgridError:
+    """The KvgridError for a status another service answered with, so it passes on with the same code."""
+    for cls in (ResourceExhausted, Unavailable, NotFound, AlreadyExists, FailedPrecondition, Aborted):
+        if cls.code == code:
+            return cls(message)
+    error = KvgridError(message)
+    error.code = code
+    return error
+
+
 def _status_of(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, KvgridError):
         return exc.code, str(exc)

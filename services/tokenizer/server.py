@@ -12,11 +12,11 @@ from kvgrid.v1 import generate_pb2_grpc
 from services.common.config import Config
 from services.common.metrics import TokenizerMetrics
 from services.common.server import Health, add_reflection, bind, new_server
+from services.tokenizer.engine_client import EngineClient
 from services.tokenizer.http_server import HttpServer
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.servicer import TextGenerationServicer
 from services.tokenizer.text_tokenizer import TextTokenizer, read_tokenizer_dir
-from services.tokenizer.upstream import SchedulerLink
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def load_tokenizer(path: str) -> TextTokenizer:
 class TokenizerServer:
     server: grpc.aio.Server
     http: HttpServer
-    link: SchedulerLink
+    engine: EngineClient
     state: ModelState
     health: Health
     metrics: TokenizerMetrics
@@ -48,7 +48,7 @@ class TokenizerServer:
         self.state.drain()
         await self.server.stop(grace)
         await self.http.close()
-        await self.link.close()
+        await self.engine.close()
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -70,8 +70,8 @@ async def start_tokenizer(
         served_model_name=config.model.served_model_name,
         on_change=health.set,
     )
-    link = SchedulerLink(config.network.scheduler_addr, state)
-    generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state, link, metrics), server)
+    engine = EngineClient(config.network.scheduler_addr, state)
+    generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state, engine, metrics), server)
     add_reflection(server, [SERVICE_NAME])
     bound = bind(server, config.network.host, port)
     http = HttpServer(metrics.registry, lambda: state.serving)
@@ -81,7 +81,7 @@ async def start_tokenizer(
     except OSError:
         await server.stop(None)
         raise
-    link.start()
+    engine.start()
     log.info(
         "tokenizer frontend on %s:%d (HTTP %d), scheduler at %s",
         config.network.host,
@@ -89,4 +89,4 @@ async def start_tokenizer(
         bound_http,
         config.network.scheduler_addr,
     )
-    return TokenizerServer(server, http, link, state, health, metrics, bound, bound_http)
+    return TokenizerServer(server, http, engine, state, health, metrics, bound, bound_http)

@@ -3,26 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import logging
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
-import grpc
-from opentelemetry.trace import Status, StatusCode
-
-from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2
-from services.common.errors import InvalidArgument, KvgridError, Unavailable, grpc_errors
-from services.common.logs import request_log
+from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from services.common.errors import InvalidArgument, grpc_errors
 from services.common.metrics import TokenizerMetrics
-from services.common.tracing import context_from_metadata, inject, trace_id_hex, tracer
+from services.common.tracing import context_from_metadata
 from services.tokenizer import validation as v
+from services.tokenizer.engine_client import EngineClient
+from services.tokenizer.generation import generate
 from services.tokenizer.model_state import ModelState
-from services.tokenizer.output import OutputProcessor
 from services.tokenizer.request_metrics import RequestMetrics
 from services.tokenizer.text_tokenizer import TextTokenizer
-from services.tokenizer.upstream import SchedulerLink
-
-log = logging.getLogger(__name__)
 
 LONG_INPUT_CHARS = 8192
 
@@ -34,22 +28,14 @@ async def _off_loop(fn, value, num_chars: int, **kwargs):
     return await asyncio.to_thread(fn, value, **kwargs)
 
 
-class SchedulerError(KvgridError):
-    """A failed Submit: the client gets the scheduler's status code, with where it came from."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code = code
-
-
 def _messages(messages) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in messages]
 
 
 class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
-    def __init__(self, state: ModelState, link: SchedulerLink, metrics: TokenizerMetrics):
+    def __init__(self, state: ModelState, engine: EngineClient, metrics: TokenizerMetrics):
         self._state = state
-        self._link = link
+        self._engine = engine
         self._metrics = metrics
 
     @grpc_errors
@@ -69,8 +55,9 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
                 field, prompt_ids = "prompt", await _off_loop(tokenizer.encode, request.prompt, len(request.prompt))
             v.check_prompt_length(field, len(prompt_ids), limits)
             stream = self._stream(tokenizer, limits, request.request_id, prompt_ids, request.sampling, context, tracked)
-            async for out in stream:
-                yield out
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    yield out
 
     @grpc_errors
     async def Chat(self, request: generate_pb2.ChatRequest, context) -> AsyncIterator:
@@ -82,8 +69,9 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             prompt_ids = await self._encode_chat(tokenizer, request.messages)
             v.check_prompt_length("messages", len(prompt_ids), limits)
             stream = self._stream(tokenizer, limits, request.request_id, prompt_ids, request.sampling, context, tracked)
-            async for out in stream:
-                yield out
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    yield out
 
     @grpc_errors
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context) -> generate_pb2.TokenizeResponse:
@@ -115,7 +103,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         num_chars = sum(len(m.content) for m in messages)
         return await _off_loop(tokenizer.encode_chat, _messages(messages), num_chars)
 
-    async def _stream(
+    def _stream(
         self,
         tokenizer: TextTokenizer,
         limits: v.ModelLimits,
@@ -126,55 +114,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         tracked: RequestMetrics,
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         request_id = request_id or uuid.uuid4().hex
-        output = OutputProcessor(tokenizer, request_id, prompt_ids, sampling)
-        submit = scheduler_pb2.SubmitRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            sampling=v.submit_sampling(sampling, len(prompt_ids), limits),
+        parent = context_from_metadata(context)
+        return generate(
+            self._engine, tokenizer, limits, request_id, prompt_ids, sampling, parent_context=parent, tracked=tracked
         )
-        span = tracer().start_span(
-            "tokenizer.generate",
-            context=context_from_metadata(context),
-            attributes={"kvgrid.request_id": request_id, "kvgrid.prompt_tokens": len(prompt_ids)},
-        )
-        call = self._link.stub.Submit(submit, metadata=list(inject(span).items()))
-        upstream_done = False  # the scheduler no longer holds the request: nothing to abort
-        tracked.begin(request_id, len(prompt_ids), trace_id_hex(span))
-        try:
-            async for delta in call:
-                out = output.process(delta)
-                if output.stopped_by_string and not upstream_done:
-                    # Awaited before answering: once the client sees the end, the scheduler holds nothing under
-                    # this id, so a request reusing it at once is neither refused nor hit by a late Abort.
-                    call.cancel()
-                    await self._link.abort(request_id)
-                    upstream_done = True
-                upstream_done = upstream_done or output.finished_upstream
-                if out is not None:
-                    tracked.output(len(out.token_ids))
-                    yield out
-                if output.finished:
-                    break
-            if not output.finished:
-                upstream_done = True
-                raise Unavailable(f"the scheduler ended request {request_id} without a finish reason")
-            tracked.finish(output.finish_reason)
-            span.set_attribute("kvgrid.finish_reason", output.finish_reason)
-        except grpc.aio.AioRpcError as e:
-            upstream_done = True
-            span.set_status(Status(StatusCode.ERROR, f"{e.code().name}: {e.details()}"))
-            raise SchedulerError(e.code(), f"scheduler at {self._link.addr}: {e.details() or e.code().name}") from e
-        except Exception as e:
-            span.set_status(Status(StatusCode.ERROR, str(e)))
-            raise
-        finally:
-            if not upstream_done:  # client cancelled or disconnected, or an error here
-                self._end_upstream(call, request_id)
-            span.set_attribute("kvgrid.completion_tokens", output.num_output_tokens)
-            span.end()
-
-    def _end_upstream(self, call, request_id: str) -> None:
-        """Stop the request at the scheduler now; synchronous, so it also works while the handler is cancelled."""
-        request_log(log, request_id).debug("ending the request upstream")
-        call.cancel()
-        self._link.abort_later(request_id)
