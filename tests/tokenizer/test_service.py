@@ -407,10 +407,10 @@ def test_health_follows_the_scheduler(stack):
     assert generate(stack, prompt="hi")[-1].finish_reason
 
 
-def test_http_port_answers_only_metrics_and_health(stack):
+def test_http_health_and_metrics_answer_get_and_head_only(stack):
     base = f"http://127.0.0.1:{stack.frontend.http_port}"
     with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(f"{base}/v1/completions", timeout=5)
+        urllib.request.urlopen(f"{base}/no/such/page", timeout=5)
     assert err.value.code == 404
     head = urllib.request.urlopen(urllib.request.Request(f"{base}/health", method="HEAD"), timeout=5)
     assert head.status == 200 and head.read() == b""
