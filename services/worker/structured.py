@@ -98,6 +98,6 @@ def apply_token_masks(logits: torch.Tensor, rows: list[int], constraints: list[T
         constraint.matcher.unsafe_compute_mask_ptr(row.data_ptr(), num_words * 4)
     bitmask = bitmask.to(logits.device, non_blocking=True)
     bits = _BITS.to(logits.device)
-    allowed = (bitmask.unsqueeze(-1) >> bits).bitwise_and_(1).view(len(rows), num_words * 32)[:, :vocab]
-    index = torch.tensor(rows, dtype=torch.long).to(logits.device)
-    logits[index] = logits[index].masked_fill_(allowed == 0, float("-inf"))
+    banned = ((bitmask.unsqueeze(-1) >> bits).bitwise_and_(1) == 0).view(len(rows), num_words * 32)  # [R, >= vocab]
+    for i, row in enumerate(rows):  # in place on row views: no gather and scatter of whole rows
+        logits[row].masked_fill_(banned[i, :vocab], float("-inf"))
