@@ -8,7 +8,9 @@ model's vocabulary and computes a token mask per step in microseconds. The sched
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 import llguidance
 
@@ -24,6 +26,7 @@ JSON_OPTIONS: llguidance.JsonCompileOptions = {
 MAX_SPEC_CHARS = 65536
 MAX_CHOICES = 1024
 MAX_ERROR_CHARS = 400
+T = TypeVar("T")
 
 
 class SpecError(ValueError):
@@ -120,3 +123,22 @@ def _short(message: str) -> str:
     """llguidance's messages can list a whole vocabulary's special tokens: keep their head."""
     message = message.strip()
     return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + " ..."
+
+
+class SpecCache(Generic[T]):
+    """What was made from each distinct spec (``spec_key``), at most ``capacity`` of them, least recently
+    used dropped first."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._items: OrderedDict[tuple[str, str], T] = OrderedDict()
+
+    def get(self, key: tuple[str, str], make: Callable[[], T]) -> T:
+        value = self._items.get(key)
+        if value is None:
+            value = self._items[key] = make()
+            if len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+        else:
+            self._items.move_to_end(key)
+        return value

@@ -6,11 +6,17 @@ tokenizer.json, so a spec accepted here compiles there; one rejected here is INV
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvgrid.v1 import common_pb2
-from services.common.structured_output import SpecError, build_tokenizer, grammar_error, grammar_for, spec_key
+from services.common.structured_output import (
+    SpecCache,
+    SpecError,
+    build_tokenizer,
+    grammar_error,
+    grammar_for,
+    spec_key,
+)
 
 MAX_CACHED = 256
 
@@ -21,7 +27,7 @@ class GrammarChecker:
         a worker's handshake); ``unavailable``: why this model cannot serve structured outputs at all."""
         self.tokenizer = tokenizer
         self.unavailable = unavailable
-        self._problems: OrderedDict[tuple[str, str], tuple[str, str]] = OrderedDict()
+        self._problems: SpecCache[tuple[str, str]] = SpecCache(MAX_CACHED)
 
     @classmethod
     def build(cls, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> GrammarChecker:
@@ -38,15 +44,7 @@ class GrammarChecker:
             return "", ""
         if self.unavailable:
             return f"sampling.{key[0]}", f"structured outputs are unavailable: {self.unavailable}"
-        found = self._problems.get(key)
-        if found is None:
-            found = self._check(sampling)
-            self._problems[key] = found
-            if len(self._problems) > MAX_CACHED:
-                self._problems.popitem(last=False)
-        else:
-            self._problems.move_to_end(key)
-        return found
+        return self._problems.get(key, lambda: self._check(sampling))
 
     def _check(self, sampling: common_pb2.SamplingParams) -> tuple[str, str]:
         field = f"sampling.{sampling.WhichOneof('structured_output')}"

@@ -11,14 +11,13 @@ outside its mask: only possible if every allowed token was also banned) also all
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import llguidance
 import torch
 
 from kvgrid.v1 import common_pb2
-from services.common.structured_output import SpecError, build_tokenizer, grammar_for, spec_key
+from services.common.structured_output import SpecCache, SpecError, build_tokenizer, grammar_for, spec_key
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ class GrammarCache:
         self._tokenizer_json = tokenizer_json
         self._eos_token_ids = list(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._compiled: SpecCache[llguidance.LLMatcher] = SpecCache(MAX_CACHED_GRAMMARS)
         self.num_compiled = 0  # grammars compiled so far (cache misses)
 
     def constraint(self, params: common_pb2.SamplingParams, output_token_ids: list[int]) -> TokenConstraint | None:
@@ -59,14 +58,7 @@ class GrammarCache:
         key = spec_key(params)
         if key is None:
             return None
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self._compile(params)
-            self._compiled[key] = compiled
-            if len(self._compiled) > MAX_CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(key)
+        compiled = self._compiled.get(key, lambda: self._compile(params))
         constraint = TokenConstraint(compiled.deep_copy())
         for token_id in output_token_ids:
             constraint.advance(token_id)

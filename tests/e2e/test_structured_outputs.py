@@ -15,7 +15,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from tests.e2e.stack import Stack, collect, get_stats, wait_idle
+from tests.e2e.stack import Stack, collect, get_stats, running_stack, wait_idle
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -48,11 +48,8 @@ REVIEWS = ["I loved it!", "Terrible, never again.", "It was fine.", "Best day ev
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Stack:
-    stack = Stack(tmp_path_factory.mktemp("structured") / "serve.log", ARGS).start()
-    try:
-        yield stack.wait_ready()
-    finally:
-        stack.stop()
+    with running_stack(tmp_path_factory.mktemp("structured") / "serve.log", ARGS) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
