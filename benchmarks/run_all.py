@@ -12,6 +12,7 @@ import sys
 
 BENCHMARKS = [
     ["benchmarks.scheduler_bench"],
+    ["benchmarks.control_plane_bench", "--concurrency", "256"],
     ["benchmarks.sampling_bench", "--threads", "2"],
     ["benchmarks.worker_bench", "--dtype", "bfloat16"],
     ["benchmarks.worker_bench", "--dtype", "float32"],

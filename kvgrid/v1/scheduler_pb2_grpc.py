@@ -35,6 +35,11 @@ class SchedulerStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Connect = channel.stream_stream(
+                '/kvgrid.v1.Scheduler/Connect',
+                request_serializer=kvgrid_dot_v1_dot_scheduler__pb2.FrontendMessage.SerializeToString,
+                response_deserializer=kvgrid_dot_v1_dot_scheduler__pb2.SchedulerMessage.FromString,
+                _registered_method=True)
         self.Submit = channel.unary_stream(
                 '/kvgrid.v1.Scheduler/Submit',
                 request_serializer=kvgrid_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
@@ -59,6 +64,15 @@ class SchedulerStub:
 
 class SchedulerServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Connect(self, request_iterator, context):
+        """One long-lived stream per frontend connection: new requests and aborts in; out, once per step, one
+        message with every delta of this stream's requests. Requests of different streams stay separate.
+        When the stream breaks, every request it submitted is aborted and its blocks are freed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Submit(self, request, context):
         """Run a tokenized request; streams the sampled token ids, the last message has finish_reason set.
@@ -93,6 +107,11 @@ class SchedulerServicer:
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Connect': grpc.stream_stream_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=kvgrid_dot_v1_dot_scheduler__pb2.FrontendMessage.FromString,
+                    response_serializer=kvgrid_dot_v1_dot_scheduler__pb2.SchedulerMessage.SerializeToString,
+            ),
             'Submit': grpc.unary_stream_rpc_method_handler(
                     servicer.Submit,
                     request_deserializer=kvgrid_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
@@ -123,6 +142,33 @@ def add_SchedulerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Scheduler:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Connect(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvgrid.v1.Scheduler/Connect',
+            kvgrid_dot_v1_dot_scheduler__pb2.FrontendMessage.SerializeToString,
+            kvgrid_dot_v1_dot_scheduler__pb2.SchedulerMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Submit(request,

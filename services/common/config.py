@@ -125,6 +125,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _opt(2048, "most tokens computed in one step (the chunked-prefill budget)")
     max_waiting_requests: int = _opt(4096, "queue length past which Submit answers RESOURCE_EXHAUSTED")
     scheduling_policy: str = _opt("fcfs", "admission and preemption order", ("fcfs", "priority"))
+    async_scheduling: bool = _opt(
+        True, "plan each step while the worker runs the previous one (the worker feeds its sampled token forward)"
+    )
 
     def validate(self) -> list[str]:
         errors = []

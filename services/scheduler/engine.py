@@ -2,9 +2,13 @@
 
 Per worker session: connect and handshake, build a fresh block pool and
 scheduler sized from the reply, report ready, then plan → send → await the
-result → update → deliver, for as long as there is work. When the stream breaks
-(or the worker breaks the protocol), every live request fails with UNAVAILABLE,
-the scheduler is dropped (nothing stale survives) and the loop dials again.
+result → update → deliver, for as long as there is work. With async scheduling
+the next plan is sent before the current result is read, so the worker always
+has the next step queued while it runs one (at most two plans are in flight).
+Delivery ends with one flush per connected frontend: one message per step each.
+When the worker stream breaks (or the worker breaks the protocol), every live
+request fails with UNAVAILABLE, the scheduler is dropped (nothing stale
+survives) and the loop dials again; frontend streams stay connected.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import grpc
@@ -23,6 +28,7 @@ from services.common.metrics import SchedulerMetrics
 from services.scheduler.admission import AdmissionLimits, admit
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.convert import plan_to_proto, sampled_from_proto
+from services.scheduler.frontends import FrontendRequest, FrontendStream
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.scheduler import Scheduler, SchedulerLimits, SchedulerOutput, WorkerProtocolError
 from services.scheduler.streams import RequestStream
@@ -70,7 +76,11 @@ class Engine:
         self.worker_info: worker_pb2.HandshakeResponse | None = None
         self._core: Scheduler | None = None
         self._admission: AdmissionLimits | None = None
-        self._streams: dict[str, RequestStream] = {}
+        # request id -> where its outputs go: a RequestStream (Submit) or a FrontendRequest (Connect).
+        self._streams: dict[str, RequestStream | FrontendRequest] = {}
+        self.frontends: set[FrontendStream] = set()
+        # Plans sent ahead of their results: 2 with async scheduling, 1 without.
+        self._max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         # Counters of sessions that ended, so GetStats counts since start.
@@ -93,13 +103,16 @@ class Engine:
                 pass
             self._task = None
 
-    def submit(self, msg: scheduler_pb2.SubmitRequest, trace_context: dict[str, str]) -> RequestStream:
+    def submit(
+        self, msg: scheduler_pb2.SubmitRequest, trace_context: dict[str, str], make_stream=RequestStream
+    ) -> RequestStream | FrontendRequest:
+        """Admit a request; ``make_stream(request)`` builds where its outputs go. Raises KvgridError."""
         core = self._core
         if core is None:
             raise Unavailable(f"no worker is ready yet (waiting for the worker at {self.config.network.worker_addr})")
         request = admit(msg, self._admission, core.requests, core.num_waiting)
         request.trace_context = trace_context
-        stream = RequestStream(request)
+        stream = make_stream(request)
         core.add_request(request)
         self._streams[request.request_id] = stream
         self._wake.set()
@@ -114,6 +127,16 @@ class Engine:
         stream.abort()
         self._wake.set()
         return True
+
+    def connect(self, peer: str) -> FrontendStream:
+        frontend = FrontendStream(peer, self.abort)
+        self.frontends.add(frontend)
+        return frontend
+
+    def disconnect(self, frontend: FrontendStream) -> None:
+        """The frontend's stream is gone: its live requests are aborted and their blocks freed."""
+        self.frontends.discard(frontend)
+        frontend.close()
 
     def release(self, stream: RequestStream) -> None:
         """The caller of ``stream`` is gone: abort its request if it is still live."""
@@ -200,28 +223,32 @@ class Engine:
         core = self._core
         call = session.stub.Execute()
         call.add_done_callback(lambda _: self._wake.set())
+        in_flight: deque[SchedulerOutput] = deque()
         try:
             while True:
-                if not core.has_work():
+                if len(in_flight) < self._max_in_flight and core.has_work():
+                    started = time.perf_counter()
+                    out = core.schedule()
+                    if not out.is_empty:
+                        plan = plan_to_proto(out)
+                        if self.metrics is not None:
+                            self._record_plan(out, time.perf_counter() - started)
+                        await call.write(plan)
+                        in_flight.append(out)
+                        continue
+                if not in_flight:
                     await self._idle(call)
                     continue
-                started = time.perf_counter()
-                out = core.schedule()
-                if out.is_empty:
-                    await self._idle(call)
-                    continue
-                plan = plan_to_proto(out)
-                planned = time.perf_counter()
-                await call.write(plan)
                 result = await call.read()
                 if result is grpc.aio.EOF:
                     raise WorkerLost("the worker closed the Execute stream")
+                out = in_flight.popleft()
                 if result.step_id != out.step_id:
                     raise WorkerProtocolError(f"result for step {result.step_id}, expected {out.step_id}")
                 self._num_steps += 1
                 self._deliver(core.update_from_output(out, sampled_from_proto(result)))
                 if self.metrics is not None:
-                    self._record(core, out, planned - started)
+                    self._record_state(core)
         finally:
             call.cancel()
 
@@ -244,14 +271,19 @@ class Engine:
             stream.push(output)
             if output.finish is not None:
                 del streams[request_id]
+        for frontend in self.frontends:
+            frontend.flush()
 
-    def _record(self, core: Scheduler, out: SchedulerOutput, schedule_seconds: float) -> None:
+    def _record_state(self, core: Scheduler) -> None:
         m = self.metrics
-        m.schedule_seconds.observe(schedule_seconds)
-        m.step_batch_tokens.observe(out.total_num_scheduled_tokens)
         m.num_running.set(core.num_running)
         m.num_waiting.set(core.num_waiting)
         m.kv_cache_usage.set(core.kv.usage)
+
+    def _record_plan(self, out: SchedulerOutput, schedule_seconds: float) -> None:
+        m = self.metrics
+        m.schedule_seconds.observe(schedule_seconds)
+        m.step_batch_tokens.observe(out.total_num_scheduled_tokens)
         if out.preempted_ids:
             m.preemptions.inc(len(out.preempted_ids))
         if out.new_requests:

@@ -98,8 +98,12 @@ class KVCacheManager:
         return True
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Register the request's full blocks whose K/V are computed (call once a step's result is in)."""
-        num_full = request.num_computed_tokens // self.block_size
+        """Register the request's full blocks whose K/V are computed (call once a step's result is in).
+
+        Under async scheduling ``num_computed_tokens`` also counts a step still in flight, whose last token may not
+        be known yet: only known tokens are registered. The in-flight step writes their K/V before any later plan
+        (the only kind that can read a registered block) runs, because the worker runs plans in order."""
+        num_full = min(request.num_computed_tokens, len(request.all_token_ids)) // self.block_size
         start = self._num_cached.get(request.request_id, 0)
         if num_full <= start or not self.enable_caching:
             return

@@ -56,6 +56,9 @@ class Request:
     on_worker: bool = False
     # How many of the request's block ids the worker knows.
     num_blocks_sent: int = 0
+    # Tokens planned to be sampled whose ids are not back yet (0 or 1 in sync mode between steps, up to 2 with
+    # async scheduling). The next plan counts them as known: the worker computes the token it sampled itself.
+    num_output_placeholders: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -8,6 +8,14 @@ that would be preempted last is kept and others are preempted by recompute
 arrival). Then, if nothing was preempted, waiting requests are admitted in queue
 order while budget, sequence cap and blocks allow (head-of-line: admission
 stops at the first request that does not fit).
+
+Async scheduling: ``schedule`` may be called again before the previous plan's
+result is back. A request planned to sample holds an output placeholder until
+its token arrives; the next plan counts the placeholder as a known token (the
+worker computes the token it sampled itself), and skips a request whose pending
+token will end it by length. A stop found when the token arrives is one step
+late: the token sampled for that request in the step already planned is
+discarded in ``update_from_output``, never returned.
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ class NewRequestPlan:
     block_ids: list[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    # The step reaches the end of the request's tokens, so the worker samples one for it.
+    samples: bool = False
 
 
 @dataclass(slots=True)
@@ -51,6 +61,7 @@ class RunningRequestPlan:
     request: Request
     new_block_ids: list[int]
     num_scheduled_tokens: int
+    samples: bool = False
 
 
 @dataclass(slots=True)
@@ -138,7 +149,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            num_new = len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens
+            if num_new <= 0 or self._ends_when_sampled(request):
+                i += 1  # its pending token ends it (by length), or it waits for that token: nothing to compute
+                continue
             if num_new > budget:
                 num_new = budget
             while not self.kv.allocate_slots(request, num_new):
@@ -165,6 +179,9 @@ class Scheduler:
                 plan.new_block_ids = [block.block_id for block in table[request.num_blocks_sent :]]
                 request.num_blocks_sent = len(table)
             request.num_computed_tokens += plan.num_scheduled_tokens
+            if request.num_computed_tokens == len(request.all_token_ids) + request.num_output_placeholders:
+                plan.samples = True
+                request.num_output_placeholders += 1
             out.total_num_scheduled_tokens += plan.num_scheduled_tokens
         out.running = list(planned.values())
 
@@ -192,7 +209,9 @@ class Scheduler:
             block_ids = self.kv.block_ids(request.request_id)
             request.num_blocks_sent = len(block_ids)
             self.running.append(request)
-            out.new_requests.append(NewRequestPlan(request, block_ids, num_hit, num_new))
+            samples = request.num_computed_tokens == request.num_tokens
+            request.num_output_placeholders = int(samples)
+            out.new_requests.append(NewRequestPlan(request, block_ids, num_hit, num_new, samples))
             out.total_num_scheduled_tokens += num_new
             budget -= num_new
 
@@ -208,47 +227,60 @@ class Scheduler:
         request.on_worker = False
         request.num_blocks_sent = 0
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a token still in flight for it is discarded when it arrives
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         out.preempted_ids.append(request.request_id)
         self.waiting.add_preempted(request)
 
+    def _ends_when_sampled(self, request: Request) -> bool:
+        """Whether the token in flight for ``request`` will end it by length (so planning more is waste)."""
+        pending = request.num_output_placeholders
+        if not pending:
+            return False
+        num_tokens = len(request.all_token_ids) + pending
+        return num_tokens >= self.max_seq_len or num_tokens - request.num_prompt_tokens >= request.stop.max_tokens
+
     def update_from_output(self, out: SchedulerOutput, sampled: Iterable[tuple[str, int, Any]]) -> list[RequestOutput]:
-        """Apply a step's sampled tokens ``(request_id, token_id, logprob)``; returns them with finish states."""
+        """Apply a step's sampled tokens ``(request_id, token_id, logprob)``; returns them with finish states.
+
+        A token is kept only for the very request object the plan sampled for, still running: a request aborted,
+        preempted or finished (one step late, under async scheduling) while the step ran loses its token, and
+        so does an older request whose id was reused meanwhile.
+        """
+        tokens = {request_id: (token_id, logprob) for request_id, token_id, logprob in sampled}
         results = []
         num_finished = 0
         requests = self.requests
         running = RequestStatus.RUNNING
-        for request_id, token_id, logprob in sampled:
-            request = requests.get(request_id)
-            if request is None or request.status is not running:
-                continue  # aborted while the step ran
-            tokens = request.all_token_ids
-            if request.num_computed_tokens != len(tokens):
-                raise WorkerProtocolError(
-                    f"step {out.step_id}: token sampled for {request_id!r} with "
-                    f"{len(tokens) - request.num_computed_tokens} of its tokens not computed yet"
-                )
-            tokens.append(token_id)
-            finish = self._check_stop(request, token_id)
-            if finish is not None:
-                self.kv.cache_computed_blocks(request)
-                del requests[request_id]
-                self._release(request, finish)
-                num_finished += 1
-            results.append(RequestOutput(request, token_id, logprob, finish))
-
         cache = self.kv.cache_computed_blocks
         for plans in (out.new_requests, out.running):
             for plan in plans:
                 request = plan.request
-                if request.status is not running:
+                request_id = request.request_id
+                if not plan.samples:
+                    if request.status is running:
+                        cache(request)
                     continue
-                # Every request that reached the end of its tokens got one more above.
-                if request.num_computed_tokens == len(request.all_token_ids):
-                    raise WorkerProtocolError(f"step {out.step_id}: no token sampled for {request.request_id!r}")
+                sample = tokens.pop(request_id, None)
+                if request.status is not running or requests.get(request_id) is not request:
+                    continue  # its token (if any) is discarded
+                if sample is None:
+                    raise WorkerProtocolError(f"step {out.step_id}: no token sampled for {request_id!r}")
+                token_id, logprob = sample
+                request.num_output_placeholders -= 1
+                request.all_token_ids.append(token_id)
+                finish = self._check_stop(request, token_id)
                 cache(request)
+                if finish is not None:
+                    del requests[request_id]
+                    self._release(request, finish)
+                    num_finished += 1
+                results.append(RequestOutput(request, token_id, logprob, finish))
+        if tokens and any(requests.get(request_id) is not None for request_id in tokens):
+            unexpected = ", ".join(sorted(tokens))
+            raise WorkerProtocolError(f"step {out.step_id}: tokens sampled for requests planned not to: {unexpected}")
 
         if num_finished:
             self.running = [request for request in self.running if request.status is running]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from opentelemetry.trace import Status, StatusCode
+import asyncio
 
 from kvgrid.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.common import tracing
-from services.common.errors import Unavailable, grpc_errors
+from services.common.errors import InvalidArgument, KvgridError, Unavailable, grpc_errors
 from services.scheduler.engine import Engine
+from services.scheduler.frontends import FrontendStream, end_request_span, start_request_span
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -16,29 +17,59 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     @grpc_errors
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context):
-        span = tracing.tracer().start_span(
-            "scheduler.submit",
-            context=tracing.context_from_metadata(context),
-            attributes={"kvgrid.request_id": request.request_id, "kvgrid.prompt_tokens": len(request.prompt_token_ids)},
+        span = start_request_span(
+            request.request_id, len(request.prompt_token_ids), tracing.context_from_metadata(context)
         )
         stream = None
+        error = None
         try:
             stream = self._engine.submit(request, tracing.inject(span))
             async for response in stream.responses():
                 yield response
         except Exception as e:
-            span.set_status(Status(StatusCode.ERROR, str(e)))
+            error = e
             raise
         finally:
             # Runs on normal end, on error, and when the caller cancels (the request is then aborted).
             if stream is not None:
                 self._engine.release(stream)
-                request = stream.request
-                span.set_attribute("kvgrid.output_tokens", request.num_output_tokens)
-                span.set_attribute("kvgrid.finish", request.status.value)
-                span.set_attribute("kvgrid.num_preemptions", request.num_preemptions)
-                span.set_attribute("kvgrid.num_cached_tokens", max(request.num_cached_tokens, 0))
-            span.end()
+            end_request_span(span, stream.request if stream is not None else None, error)
+
+    @grpc_errors
+    async def Connect(self, request_iterator, context):
+        """Requests and aborts in; one message of deltas per step out. A broken stream aborts its requests."""
+        frontend = self._engine.connect(context.peer())
+        reader = asyncio.create_task(self._read_frontend(request_iterator, frontend), name="frontend-reader")
+        reader.add_done_callback(lambda _: frontend.close())
+        try:
+            await context.send_initial_metadata(())  # tells the frontend the stream is registered
+            async for message in frontend.messages():
+                yield message
+            if not reader.cancelled() and reader.exception() is not None:
+                raise reader.exception()
+        finally:
+            reader.cancel()
+            self._engine.disconnect(frontend)
+
+    async def _read_frontend(self, request_iterator, frontend: FrontendStream) -> None:
+        async for message in request_iterator:
+            for submit in message.submits:
+                self._admit(submit, frontend)
+            for request_id in message.aborts:
+                if request_id in frontend.requests:
+                    self._engine.abort(request_id)
+
+    def _admit(self, submit: scheduler_pb2.SubmitRequest, frontend: FrontendStream) -> None:
+        if not submit.request_id:
+            frontend.fail("", InvalidArgument("request_id", "must be set on Connect (deltas are routed by it)"))
+            return
+        parent = tracing.extract(submit.trace_context)
+        span = start_request_span(submit.request_id, len(submit.prompt_token_ids), parent)
+        try:
+            self._engine.submit(submit, tracing.inject(span), lambda request: frontend.add(request, span))
+        except KvgridError as e:
+            frontend.fail(submit.request_id, e)
+            end_request_span(span, None, e)
 
     @grpc_errors
     async def Abort(self, request: scheduler_pb2.AbortRequest, context) -> scheduler_pb2.AbortResponse:

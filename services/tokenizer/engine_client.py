@@ -1,82 +1,62 @@
 """The frontend's one link to the scheduler: submit a tokenized request, iterate its deltas, abort it.
 
 The gRPC servicer, the OpenAI routes and group routing all go through an
-``EngineClient``; how it talks to the scheduler is its private business. Errors
-surface as ``KvgridError`` subclasses carrying the scheduler's status code,
-never as raw ``AioRpcError``.
+``EngineClient``. Its transport is one ``Scheduler.Connect`` stream: submits and
+aborts go out batched (one message per event-loop turn), and once per step the
+scheduler sends one message with the deltas of all of this frontend's requests.
+That message is processed in one pass (``RequestHandle.transform`` runs there:
+detokenize, stop strings), in chunks so that a large batch never holds the
+event loop for long, and fanned out to the waiting calls. When the stream
+breaks, every call in flight fails with UNAVAILABLE and the stream is dialed
+again with backoff. Errors surface as ``KvgridError`` subclasses carrying the
+scheduler's status code, never as raw ``AioRpcError``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+
 import grpc
 
 from kvgrid.v1 import common_pb2, scheduler_pb2
-from services.common.errors import KvgridError, error_for_code
+from services.common.errors import AlreadyExists, Unavailable, error_for_code
 from services.tokenizer.model_state import ModelState
-from services.tokenizer.upstream import SchedulerLink
+from services.tokenizer.request_handle import RequestHandle
+from services.tokenizer.upstream import INITIAL_BACKOFF_S, MAX_BACKOFF_S, SchedulerLink
 
+log = logging.getLogger(__name__)
 
-def scheduler_error(addr: str, e: grpc.aio.AioRpcError) -> KvgridError:
-    return error_for_code(e.code(), f"scheduler at {addr}: {e.details() or e.code().name}")
-
-
-class RequestHandle:
-    """One submitted request: an async iterator of its scheduler deltas (``token_ids``, ``finish_reason``,
-    ``logprobs``, ``num_prompt_tokens``, ``num_cached_tokens``); the last delta has ``finish_reason`` set."""
-
-    def __init__(self, client: EngineClient, request_id: str, call):
-        self.request_id = request_id
-        self._client = client
-        self._call = call
-        self._stream = call.__aiter__()
-        # True once the scheduler no longer holds the request (it finished it, failed it, or we aborted it).
-        self.done_upstream = False
-
-    def __aiter__(self) -> RequestHandle:
-        return self
-
-    async def __anext__(self) -> scheduler_pb2.SubmitResponse:
-        try:
-            delta = await self._stream.__anext__()
-        except StopAsyncIteration:
-            self.done_upstream = True
-            raise
-        except grpc.aio.AioRpcError as e:
-            self.done_upstream = True
-            raise scheduler_error(self._client.addr, e) from e
-        if delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-            self.done_upstream = True
-        return delta
-
-    async def stop(self) -> None:
-        """End the request upstream and wait until the scheduler holds nothing under its id (so the id may be
-        reused at once)."""
-        if self.done_upstream:
-            return
-        self.done_upstream = True
-        self._call.cancel()
-        await self._client.link.abort(self.request_id)
-
-    def close(self) -> None:
-        """End the request upstream without waiting; synchronous, so it works from a cancelled task."""
-        if self.done_upstream:
-            return
-        self.done_upstream = True
-        self._call.cancel()
-        self._client.abort(self.request_id)
+# How long a submit waits for the stream to (re)connect before failing with UNAVAILABLE.
+CONNECT_WAIT_S = 5.0
+# Deltas processed between two yields to the event loop.
+CHUNK = 128
 
 
 class EngineClient:
-    """Owns the connection to the scheduler at ``addr`` and keeps ``state`` in step with its health."""
+    """Owns the Connect stream to the scheduler at ``addr`` and keeps ``state`` in step with its health."""
 
     def __init__(self, addr: str, state: ModelState):
         self.addr = addr
         self.link = SchedulerLink(addr, state)
+        self._handles: dict[str, RequestHandle] = {}
+        # Outgoing messages not written yet; submits after an abort start a new message, so order is kept.
+        self._outbox: list[scheduler_pb2.FrontendMessage] = []
+        self._wake_writer = asyncio.Event()
+        self._connected = asyncio.Event()
+        self._task: asyncio.Task | None = None
 
     def start(self) -> None:
         self.link.start()
+        self._task = asyncio.create_task(self._run(), name="scheduler-connect")
 
     async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._fail_all("the frontend is shutting down")
         await self.link.close()
 
     async def submit(
@@ -87,10 +67,99 @@ class EngineClient:
         trace_context: dict[str, str],
     ) -> RequestHandle:
         """Start ``request_id``; ``sampling`` is the scheduler-facing form (``validation.submit_sampling``)."""
-        submit = scheduler_pb2.SubmitRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling)
-        call = self.link.stub.Submit(submit, metadata=list(trace_context.items()))
-        return RequestHandle(self, request_id, call)
+        if request_id in self._handles:
+            raise AlreadyExists(f"request_id: a live request already has id {request_id!r}")
+        if not self._connected.is_set():
+            try:
+                await asyncio.wait_for(self._connected.wait(), CONNECT_WAIT_S)
+            except TimeoutError:
+                raise Unavailable(f"no stream to the scheduler at {self.addr}") from None
+        handle = RequestHandle(self, request_id)
+        self._handles[request_id] = handle
+        submit = scheduler_pb2.SubmitRequest(
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, trace_context=trace_context
+        )
+        if not self._outbox or self._outbox[-1].aborts:
+            self._outbox.append(scheduler_pb2.FrontendMessage())
+        self._outbox[-1].submits.append(submit)
+        self._wake_writer.set()
+        return handle
 
     def abort(self, request_id: str) -> None:
         """Abort ``request_id`` at the scheduler, fire-and-forget; safe from a cancelled task."""
-        self.link.abort_later(request_id)
+        handle = self._handles.pop(request_id, None)
+        if handle is None or not self._connected.is_set():
+            return  # finished already, or its stream broke (the scheduler aborted it then)
+        if not self._outbox:
+            self._outbox.append(scheduler_pb2.FrontendMessage())
+        self._outbox[-1].aborts.append(request_id)
+        self._wake_writer.set()
+
+    async def _run(self) -> None:
+        backoff = INITIAL_BACKOFF_S
+        while True:
+            call = self.link.stub.Connect()
+            writer = None
+            try:
+                await call.wait_for_connection()
+                self._connected.set()
+                backoff = INITIAL_BACKOFF_S
+                log.info("stream to the scheduler at %s open", self.addr)
+                writer = asyncio.create_task(self._write(call), name="scheduler-connect-writer")
+                async for message in call:
+                    await self._dispatch(message)
+                reason = "the scheduler ended the stream"
+            except grpc.aio.AioRpcError as e:
+                reason = f"{e.code().name}: {e.details()}"
+            finally:
+                self._connected.clear()
+                if writer is not None:
+                    writer.cancel()
+                call.cancel()
+            self._fail_all(f"the stream to the scheduler at {self.addr} broke ({reason})")
+            level = logging.WARNING if writer is not None else logging.INFO
+            log.log(level, "scheduler stream: %s; retrying in %.1fs", reason, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    async def _write(self, call) -> None:
+        try:
+            while True:
+                await self._wake_writer.wait()
+                self._wake_writer.clear()
+                while self._outbox:
+                    await call.write(self._outbox.pop(0))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            log.debug("scheduler stream: write failed (%s); the reader sees the break", e)
+
+    async def _dispatch(self, message: scheduler_pb2.SchedulerMessage) -> None:
+        """One step's deltas: each goes through its handle's transform and on to the waiting call."""
+        handles = self._handles
+        for i, delta in enumerate(message.deltas):
+            if i and i % CHUNK == 0:
+                await asyncio.sleep(0)
+            handle = handles.get(delta.request_id)
+            if handle is None:
+                continue  # aborted here already
+            if delta.error_code:
+                del handles[delta.request_id]
+                code = _CODES.get(delta.error_code, grpc.StatusCode.UNKNOWN)
+                handle.fail(error_for_code(code, f"scheduler at {self.addr}: {delta.error_message}"))
+                continue
+            if delta.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+                handle.deliver(delta)
+            else:
+                del handles[delta.request_id]
+                handle.done_upstream = True
+                handle.deliver(delta)
+                handle.end()
+
+    def _fail_all(self, reason: str) -> None:
+        handles, self._handles = self._handles, {}
+        self._outbox.clear()
+        for handle in handles.values():
+            handle.done_upstream = True
+            handle.fail(Unavailable(f"request {handle.request_id!r} failed: {reason}"))
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}

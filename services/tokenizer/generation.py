@@ -48,22 +48,31 @@ async def generate(
     )
     upstream = v.submit_sampling(sampling, len(prompt_ids), limits)
     handle = await engine.submit(request_id, prompt_ids, upstream, inject(span))
+
+    def process(delta) -> generate_pb2.GenerateResponse | None:
+        out = output.process(delta)
+        if output.stopped_by_string:
+            handle.close()  # in order on the stream: a request reusing the id at once is not hit by it
+        return out
+
+    handle.transform = process
     if tracked is not None:
         tracked.begin(request_id, len(prompt_ids), trace_id_hex(span))
     try:
-        async for delta in handle:
-            out = output.process(delta)
-            if output.stopped_by_string:
-                # Awaited before answering: once the client sees the end, the scheduler holds nothing under
-                # this id, so a request reusing it at once is neither refused nor hit by a late abort.
-                await handle.stop()
-            if out is not None:
-                if tracked is not None:
-                    tracked.output(len(out.token_ids))
-                yield out
-            if output.finished:
+        finished = False
+        async for first in handle:
+            # Responses that piled up while this call waited go out as one.
+            out = merge([first, *handle.ready()])
+            if out is None:
+                continue
+            if tracked is not None:
+                tracked.output(len(out.token_ids))
+            # Decided by what was sent: the client's pass may already have processed later deltas.
+            finished = bool(out.finish_reason)
+            yield out
+            if finished:
                 break
-        if not output.finished:
+        if not finished:
             raise Unavailable(f"the scheduler ended request {request_id} without a finish reason")
         if tracked is not None:
             tracked.finish(output.finish_reason)
@@ -77,3 +86,19 @@ async def generate(
             handle.close()
         span.set_attribute("kvgrid.completion_tokens", output.num_output_tokens)
         span.end()
+
+
+def merge(responses: list[generate_pb2.GenerateResponse | None]) -> generate_pb2.GenerateResponse | None:
+    """One response carrying the text, ids and logprobs of ``responses`` in order; the last one's end fields."""
+    present = [r for r in responses if r is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+    out = present[0]
+    for more in present[1:]:
+        out.text += more.text
+        out.token_ids.extend(more.token_ids)
+        out.logprobs.extend(more.logprobs)
+        if more.finish_reason:
+            out.finish_reason = more.finish_reason
+            out.usage.CopyFrom(more.usage)
+    return out

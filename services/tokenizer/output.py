@@ -39,8 +39,6 @@ class OutputProcessor:
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
         self.finish_reason = ""
-        # True once the scheduler itself ended the request; False after a stop string found here.
-        self.finished_upstream = False
 
     @property
     def finished(self) -> bool:
@@ -50,7 +48,7 @@ class OutputProcessor:
     def stopped_by_string(self) -> bool:
         return self._stops.stopped
 
-    def process(self, delta: scheduler_pb2.SubmitResponse) -> generate_pb2.GenerateResponse | None:
+    def process(self, delta: scheduler_pb2.RequestDelta) -> generate_pb2.GenerateResponse | None:
         """The public delta for one scheduler message; None when there is nothing to send yet."""
         if self.finished:
             return None
@@ -66,8 +64,6 @@ class OutputProcessor:
             text += self._stops.flush()
         if self._stops.stopped:
             finish = "stop"
-        else:
-            self.finished_upstream = bool(finish)
         self.finish_reason = finish
         if not (token_ids or text or finish):
             return None

@@ -13,12 +13,12 @@ from services.common.server import Health, bind, new_server
 
 @dataclass(slots=True)
 class Script:
-    """What Submit answers: one SubmitResponse per entry of ``deltas``, then ``finish`` (unless ``hang``)."""
+    """What a submit gets: one RequestDelta per entry of ``deltas``, then ``finish`` (unless ``hang``)."""
 
     deltas: list[list[int]] = field(default_factory=list)
     finish: int = common_pb2.FINISH_REASON_LENGTH
     hang: bool = False  # keep the stream open after the deltas until the caller cancels
-    error: grpc.StatusCode | None = None  # fail the call with this code instead
+    error: grpc.StatusCode | None = None  # fail the request with this code instead
     num_cached_tokens: int = 0
     logprobs: bool = False
     delay_s: float = 0.0  # pause before each delta
@@ -30,42 +30,89 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.script = Script()
         self.scripts: dict[str, Script] = {}  # per request id, over ``script``
         self.submits: list[scheduler_pb2.SubmitRequest] = []
-        self.submit_metadata: list[dict[str, str]] = []
         self.aborts: list[str] = []
-        self.cancelled: list[str] = []  # Submit calls the caller cancelled
-        self.abort_delay_s = 0.0  # pause before an Abort takes effect (a busy scheduler)
+        self.cancelled: list[str] = []  # requests whose playback an abort or a broken stream stopped
+        self.events: list[tuple[str, str]] = []  # ("submit" | "abort", request_id) in the order handled
+        self.abort_delay_s = 0.0  # pause before an abort takes effect (a busy scheduler)
         self.info_calls = 0
+        self.num_connects = 0
+        self.streams: list[asyncio.Task] = []  # the reader task of each Connect stream, newest last
 
-    async def Submit(self, request, context):
-        self.submits.append(request)
-        self.submit_metadata.append(dict(context.invocation_metadata() or ()))
-        script = self.scripts.get(request.request_id, self.script)
-        if script.error is not None:
-            await context.abort(script.error, f"scripted {script.error.name}")
-        n = len(request.prompt_token_ids)
+    async def Connect(self, request_iterator, context):
+        self.num_connects += 1
+        out: asyncio.Queue = asyncio.Queue()
+        playing: dict[str, asyncio.Task] = {}
+
+        async def read() -> None:
+            async for message in request_iterator:
+                for submit in message.submits:
+                    self._submit(submit, playing, out)
+                for request_id in message.aborts:
+                    if self.abort_delay_s:
+                        await asyncio.sleep(self.abort_delay_s)
+                    self.aborts.append(request_id)
+                    self.events.append(("abort", request_id))
+                    task = playing.pop(request_id, None)
+                    if task is not None:
+                        task.cancel()
+
+        reader = asyncio.create_task(read())
+        self.streams.append(reader)
+        await context.send_initial_metadata(())
         try:
-            yield scheduler_pb2.SubmitResponse(num_prompt_tokens=n)  # admission, no tokens
+            while True:
+                yield await out.get()
+        finally:
+            reader.cancel()
+            for task in playing.values():
+                task.cancel()
+
+    def _submit(self, submit, playing: dict, out: asyncio.Queue) -> None:
+        request_id = submit.request_id
+        self.submits.append(submit)
+        self.events.append(("submit", request_id))
+        script = self.scripts.get(request_id, self.script)
+        code = script.error
+        if request_id in playing:
+            code = grpc.StatusCode.ALREADY_EXISTS
+        if code is not None:
+            delta = scheduler_pb2.RequestDelta(request_id=request_id, error_code=code.value[0])
+            delta.error_message = f"scripted {code.name}"
+            out.put_nowait(scheduler_pb2.SchedulerMessage(deltas=[delta]))
+            return
+        playing[request_id] = asyncio.create_task(self._play(submit, script, playing, out))
+
+    async def _play(self, submit, script: Script, playing: dict, out: asyncio.Queue) -> None:
+        request_id, n = submit.request_id, len(submit.prompt_token_ids)
+        try:
             for i, ids in enumerate(script.deltas):
                 if script.delay_s:
                     await asyncio.sleep(script.delay_s)
-                last = i == len(script.deltas) - 1 and not script.hang
-                out = scheduler_pb2.SubmitResponse(
-                    token_ids=ids, num_prompt_tokens=n, num_cached_tokens=script.num_cached_tokens
+                delta = scheduler_pb2.RequestDelta(
+                    request_id=request_id,
+                    token_ids=ids,
+                    num_prompt_tokens=n,
+                    num_cached_tokens=script.num_cached_tokens,
                 )
                 if script.logprobs:
                     for token_id in ids:
                         top = [common_pb2.TopLogprob(token_id=token_id, logprob=-0.5)]
                         top.append(common_pb2.TopLogprob(token_id=(token_id + 1) % self.info.vocab_size, logprob=-1.5))
-                        out.logprobs.append(common_pb2.TokenLogprob(token_id=token_id, logprob=-0.5, top=top))
-                if last:
-                    out.finish_reason = script.finish
-                yield out
+                        delta.logprobs.append(common_pb2.TokenLogprob(token_id=token_id, logprob=-0.5, top=top))
+                if i == len(script.deltas) - 1 and not script.hang:
+                    delta.finish_reason = script.finish
+                out.put_nowait(scheduler_pb2.SchedulerMessage(deltas=[delta]))
+                await asyncio.sleep(0)  # one message per step: let the stream write it
             if script.hang:
                 await asyncio.Event().wait()
             elif not script.deltas:
-                yield scheduler_pb2.SubmitResponse(num_prompt_tokens=n, finish_reason=script.finish)
+                delta = scheduler_pb2.RequestDelta(
+                    request_id=request_id, num_prompt_tokens=n, finish_reason=script.finish
+                )
+                out.put_nowait(scheduler_pb2.SchedulerMessage(deltas=[delta]))
+            playing.pop(request_id, None)
         except asyncio.CancelledError:
-            self.cancelled.append(request.request_id)
+            self.cancelled.append(request_id)
             raise
 
     async def Abort(self, request, context):

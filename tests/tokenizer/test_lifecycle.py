@@ -192,4 +192,4 @@ def test_kvgrid_tokenizer_command_serves_traces_and_stops_on_sigterm(loop, smoll
     span = spans[0]
     assert span.service == "kvgrid-tokenizer" and span.attributes["kvgrid.request_id"] == "traced-1"
     # The Submit call carried this span's context: the scheduler's span will be its child.
-    assert fake.submit_metadata[-1]["traceparent"].split("-")[1:3] == [span.trace_id, span.span_id]
+    assert fake.submits[-1].trace_context["traceparent"].split("-")[1:3] == [span.trace_id, span.span_id]

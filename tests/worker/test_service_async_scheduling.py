@@ -1,0 +1,90 @@
+"""Async scheduling through the real worker: a tiny random Llama gives the same tokens with it on and off.
+
+The scheduler (in-process, over gRPC) plans each step while the worker runs the
+previous one, and the worker computes the token it sampled itself. Greedy and
+seeded requests, a KV pool small enough to preempt, and EOS stops found one step
+late must give exactly the tokens of sync scheduling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from kvgrid.v1 import scheduler_pb2_grpc
+from services.common import config as cfg
+from services.common.server import insecure_channel
+from services.scheduler.service import start
+from services.worker.core import build_core
+from services.worker.server import start_worker
+from tests.scheduler.harness import submit_request
+from tests.scheduler.test_connect import Frontend
+from tests.worker.tiny import save_tiny_model, save_tiny_tokenizer
+
+pytestmark = pytest.mark.timeout(300)
+
+EOS = 150  # <|im_end|> of the tiny tokenizer
+
+
+def _config(model_dir: str, async_scheduling: bool, worker_addr: str = "") -> cfg.Config:
+    config = cfg.build_config(environ={})
+    config.model.model = model_dir
+    config.model.dtype = "float32"
+    config.model.max_model_len = 64
+    config.device.device = "cpu"
+    config.device.attention_backend = "torch"
+    config.cache.block_size = 4
+    config.cache.kv_cache_memory = 48 * 1024  # 48 blocks of 1 KiB: far fewer than the requests want
+    config.scheduler.max_num_seqs = 16
+    config.scheduler.async_scheduling = async_scheduling
+    config.network.host = "127.0.0.1"
+    config.network.scheduler_port = 0
+    config.network.worker_addr = worker_addr
+    return config
+
+
+def _requests() -> list:
+    rng = random.Random(5)
+    requests = []
+    for i in range(24):
+        prompt = [rng.randrange(0, 150) for _ in range(rng.randint(3, 14))]
+        sampling = dict(max_tokens=rng.randint(4, 24), ignore_eos=i % 4 == 0)
+        if i % 2:
+            sampling.update(temperature=0.9, top_p=0.95, seed=1000 + i)
+        requests.append(submit_request(f"q{i}", prompt, **sampling))
+    return requests
+
+
+async def _run(model_dir: str, core, async_scheduling: bool, requests) -> tuple[dict, dict, int]:
+    worker = await start_worker(_config(model_dir, async_scheduling), 0, core=core)
+    scheduler = await start(_config(model_dir, async_scheduling, f"127.0.0.1:{worker.port}"))
+    try:
+        async with insecure_channel(f"127.0.0.1:{scheduler.port}") as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            while not scheduler.engine.ready:
+                await asyncio.sleep(0.05)
+            frontend = Frontend(stub)
+            await frontend.send(requests)
+            await frontend.wait(lambda: frontend.ended([r.request_id for r in requests]), timeout=240)
+            frontend.call.cancel()
+            return dict(frontend.tokens), dict(frontend.finish), scheduler.engine.stats().num_preemptions
+    finally:
+        await scheduler.stop(0.5)
+        await worker.stop(None)
+
+
+def test_async_scheduling_gives_the_tokens_of_sync_scheduling_through_the_worker(tmp_path):
+    model_dir = str(tmp_path / "tiny")
+    save_tiny_model(model_dir, "llama", seed=1)
+    save_tiny_tokenizer(model_dir)
+    core = build_core(_config(model_dir, True))
+    requests = _requests()
+    sync_tokens, sync_finish, sync_preempted = asyncio.run(_run(model_dir, core, False, requests))
+    async_tokens, async_finish, async_preempted = asyncio.run(_run(model_dir, core, True, requests))
+    assert sync_preempted > 0 and async_preempted > 0
+    assert async_finish == sync_finish and async_tokens == sync_tokens
+    assert any(t[-1] == EOS for t in sync_tokens.values()) or all(r.sampling.ignore_eos for r in requests)
+    for r in requests:
+        assert 0 < len(sync_tokens[r.request_id]) <= r.sampling.max_tokens
