@@ -20,7 +20,6 @@ import json
 import os
 import pathlib
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import time
 
 from openai import AsyncOpenAI
 
+from benchmarks.control_plane_bench import _free_ports as free_ports
 from kvgrid.bench import RequestResult, make_prompts, run_one, summarize
 from kvgrid.v1 import generate_pb2, generate_pb2_grpc
 from services.common.server import insecure_channel
@@ -117,16 +117,6 @@ async def measure(args) -> dict:
         k: out["http"][k] / out["grpc"][k] for k in out["grpc"] if k != "failed" and out["grpc"][k]
     }
     return out
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def start_stack(extra: list[str]) -> tuple[subprocess.Popen, str, str]:
