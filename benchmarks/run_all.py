@@ -14,6 +14,8 @@ BENCHMARKS = [
     ["benchmarks.scheduler_bench"],
     ["benchmarks.control_plane_bench", "--concurrency", "256"],
     ["benchmarks.sampling_bench", "--threads", "2"],
+    ["benchmarks.structured_bench", "--threads", "2"],
+    ["benchmarks.http_vs_grpc_bench", "--serve"],
     ["benchmarks.worker_bench", "--dtype", "bfloat16"],
     ["benchmarks.worker_bench", "--dtype", "float32"],
     ["benchmarks.attention_bench"],  # CUDA only; says so and exits 0 elsewhere

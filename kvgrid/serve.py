@@ -175,13 +175,17 @@ def print_ready(config: cfg.Config, children: list[Child]) -> None:
     public = f"{host}:{net.tokenizer_port}"
     _say(f"model {config.model.name} ({config.model.dtype})")
     _say(f"  public API   kvgrid.v1.TextGeneration  grpc://{public}  (reflection on)")
-    _say(f"  HTTP         http://{host}:{net.http_port}/health  http://{host}:{net.http_port}/metrics")
+    http = f"http://{host}:{net.http_port}"
+    _say(f"  OpenAI API   {http}/v1  (base URL for OpenAI clients; /tokenize, /detokenize)")
+    _say(f"  HTTP         {http}/health  {http}/metrics")
     _say(f"  scheduler    kvgrid.v1.Scheduler       grpc://{host}:{net.scheduler_port}")
     _say(f"  worker       kvgrid.v1.Worker          grpc://{host}:{net.worker_port}")
     pids = ", ".join(f"{c.name} pid {c.process.pid}" for c in children)
     _say(f"ready ({pids}). Try:")
     print(f'    kvgrid generate "What is the capital of France?" --addr {public}', flush=True)
     print(f"    grpcurl -plaintext {public} list", flush=True)
+    body = '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
+    print(f"    curl {http}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
     _say("Ctrl-C stops all three services")
 
 

@@ -179,7 +179,7 @@ class ObservabilityConfig:
 class NetworkConfig:
     host: str = _opt("0.0.0.0", "address the servers bind to")
     tokenizer_port: int = _opt(50051, "tokenizer frontend gRPC port (public API)")
-    http_port: int = _opt(8000, "tokenizer frontend HTTP port (/metrics, /health)")
+    http_port: int = _opt(8000, "tokenizer frontend HTTP port (OpenAI-compatible /v1, /metrics, /health)")
     scheduler_port: int = _opt(50052, "scheduler gRPC port")
     scheduler_metrics_port: int = _opt(8002, "scheduler /metrics port")
     worker_port: int = _opt(50053, "worker gRPC port")

@@ -9,14 +9,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from kvgrid.v1 import generate_pb2, worker_pb2
 from services.common.errors import Unavailable
+from services.tokenizer.grammar_check import GrammarChecker
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.tokenizer.validation import ModelLimits
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class ModelState:
@@ -41,6 +45,8 @@ class ModelState:
         self._num_streams = 0
         self._no_streams = asyncio.Event()
         self._no_streams.set()
+        self._grammars = GrammarChecker()
+        self._grammars_for: tuple = ()  # (tokenizer, vocab size, EOS ids) the checker was built for
 
     @property
     def serving(self) -> bool:
@@ -55,6 +61,7 @@ class ModelState:
             self.tokenizer = await asyncio.to_thread(TextTokenizer.from_files, files)
             self._files = files
             log.info("tokenizer loaded from the worker's files (%s)", ", ".join(sorted(files)))
+        await self._build_grammar_checker(info)
         if self.info is None or self.info.worker_id != info.worker_id:
             log.info(
                 "worker %s: model %s, max_model_len %d, %d KV blocks of %d tokens on %s",
@@ -69,6 +76,17 @@ class ModelState:
         self.info = info
         self._notify(was)
 
+    async def _build_grammar_checker(self, info: worker_pb2.HandshakeResponse) -> None:
+        tokenizer = self.tokenizer
+        vocab_size = info.vocab_size or tokenizer.vocab_size
+        basis = (tokenizer, vocab_size, tuple(info.eos_token_ids))
+        if basis != self._grammars_for:
+            json_text = tokenizer.to_json()
+            self._grammars = await asyncio.to_thread(GrammarChecker.build, json_text, vocab_size, info.eos_token_ids)
+            self._grammars_for = basis
+            if self._grammars.unavailable:
+                log.warning("structured outputs are unavailable: %s", self._grammars.unavailable)
+
     def set_scheduler_serving(self, serving: bool) -> None:
         was = self.serving
         self.scheduler_serving = serving
@@ -80,6 +98,16 @@ class ModelState:
         was = self.serving
         self.draining = True
         self._notify(was)
+
+    async def counted(self, stream: AsyncIterator[T]) -> AsyncIterator[T]:
+        """``stream``, counted among the streams a drain waits for (gRPC and HTTP alike) until it ends."""
+        self.stream_started()
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            await stream.aclose()
+            self.stream_ended()
 
     def stream_started(self) -> None:
         """Call when a generation stream starts, and ``stream_ended`` when it ends: a drain waits for them."""
@@ -123,7 +151,7 @@ class ModelState:
     def limits(self) -> ModelLimits:
         info = self.require_info()
         vocab_size = info.vocab_size or self.require_tokenizer().vocab_size
-        return ModelLimits(max_model_len=info.max_model_len, vocab_size=vocab_size)
+        return ModelLimits(max_model_len=info.max_model_len, vocab_size=vocab_size, grammars=self._grammars)
 
     def model_info(self) -> generate_pb2.ModelInfo:
         info = self.require_info()

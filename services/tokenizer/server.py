@@ -1,7 +1,9 @@
-"""Assemble the frontend: gRPC TextGeneration + health + reflection, the HTTP port, the scheduler link."""
+"""Assemble the frontend: gRPC TextGeneration + health + reflection, the HTTP app (OpenAI API, /health,
+/metrics), and the one engine client both hand requests to."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from dataclasses import dataclass
@@ -13,8 +15,10 @@ from services.common.config import Config
 from services.common.metrics import TokenizerMetrics
 from services.common.server import Health, add_reflection, bind, new_server
 from services.tokenizer.engine_client import EngineClient
-from services.tokenizer.http_server import HttpServer
 from services.tokenizer.model_state import ModelState
+from services.tokenizer.openai.app import build_app
+from services.tokenizer.openai.server import HttpServer
+from services.tokenizer.openai.serving import OpenAIServing
 from services.tokenizer.servicer import TextGenerationServicer
 from services.tokenizer.text_tokenizer import TextTokenizer, read_tokenizer_dir
 
@@ -50,8 +54,7 @@ class TokenizerServer:
         left = await self.state.wait_streams_done(grace)
         if left:
             log.warning("%d streams still running after the %gs shutdown grace; cancelling them", left, grace)
-        await self.server.stop(0)
-        await self.http.close()
+        await asyncio.gather(self.server.stop(0), self.http.close(0))
         await self.engine.close()
 
     async def wait_for_termination(self) -> None:
@@ -78,7 +81,8 @@ async def start_tokenizer(
     generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state, engine, metrics), server)
     add_reflection(server, [SERVICE_NAME])
     bound = bind(server, config.network.host, port)
-    http = HttpServer(metrics.registry, lambda: state.serving)
+    app = build_app(OpenAIServing(state, engine, metrics), metrics.registry, lambda: state.serving)
+    http = HttpServer(app)
     await server.start()
     try:
         bound_http = await http.start(config.network.host, http_port)

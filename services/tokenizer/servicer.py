@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
@@ -15,17 +14,9 @@ from services.tokenizer import validation as v
 from services.tokenizer.engine_client import EngineClient
 from services.tokenizer.generation import generate
 from services.tokenizer.model_state import ModelState
+from services.tokenizer.prompts import encode_chat, encode_text
 from services.tokenizer.request_metrics import RequestMetrics
 from services.tokenizer.text_tokenizer import TextTokenizer
-
-LONG_INPUT_CHARS = 8192
-
-
-async def _off_loop(fn, value, num_chars: int, **kwargs):
-    """Tokenize long inputs in a thread so that one big prompt does not stall every other stream."""
-    if num_chars < LONG_INPUT_CHARS:
-        return fn(value, **kwargs)
-    return await asyncio.to_thread(fn, value, **kwargs)
 
 
 def _messages(messages) -> list[dict[str, str]]:
@@ -52,7 +43,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
                 field, prompt_ids = "prompt_token_ids", list(request.prompt_token_ids)
                 v.check_token_ids(field, prompt_ids, limits.vocab_size)
             else:
-                field, prompt_ids = "prompt", await _off_loop(tokenizer.encode, request.prompt, len(request.prompt))
+                field, prompt_ids = "prompt", await encode_text(tokenizer, request.prompt)
             v.check_prompt_length(field, len(prompt_ids), limits)
             stream = self._stream(tokenizer, limits, request.request_id, prompt_ids, request.sampling, context, tracked)
             async with contextlib.aclosing(stream):
@@ -66,7 +57,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             v.check_messages("messages", request.messages)
             tokenizer, limits = self._state.require_serving()
             v.check_sampling(request.sampling, limits)
-            prompt_ids = await self._encode_chat(tokenizer, request.messages)
+            prompt_ids = await encode_chat(tokenizer, _messages(request.messages))
             v.check_prompt_length("messages", len(prompt_ids), limits)
             stream = self._stream(tokenizer, limits, request.request_id, prompt_ids, request.sampling, context, tracked)
             async with contextlib.aclosing(stream):
@@ -78,10 +69,9 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         tokenizer = self._state.require_tokenizer()
         if request.messages:
             v.check_messages("messages", request.messages)
-            token_ids = await self._encode_chat(tokenizer, request.messages)
+            token_ids = await encode_chat(tokenizer, _messages(request.messages))
         else:
-            add = request.add_special_tokens
-            token_ids = await _off_loop(tokenizer.encode, request.text, len(request.text), add_special_tokens=add)
+            token_ids = await encode_text(tokenizer, request.text, request.add_special_tokens)
         return generate_pb2.TokenizeResponse(token_ids=token_ids, tokens=tokenizer.token_strings(token_ids))
 
     @grpc_errors
@@ -118,10 +108,6 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         stream = generate(
             self._engine, tokenizer, limits, request_id, prompt_ids, sampling, parent_context=parent, tracked=tracked
         )
-        self._state.stream_started()  # a drain waits for the streams that started before it
-        try:
-            async for out in stream:
+        async with contextlib.aclosing(self._state.counted(stream)) as counted:
+            async for out in counted:
                 yield out
-        finally:
-            await stream.aclose()
-            self._state.stream_ended()

@@ -122,6 +122,10 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The whole tokenizer as tokenizer.json text (what structured outputs compile against)."""
+        return self._backend.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -7,10 +7,11 @@ common.proto), so only values a client must have chosen on purpose are rejected.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvgrid.v1 import common_pb2
 from services.common.errors import InvalidArgument
+from services.tokenizer.grammar_check import GrammarChecker
 
 DEFAULT_MAX_TOKENS = 16
 MAX_TEMPERATURE = 100.0
@@ -28,6 +29,8 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 class ModelLimits:
     max_model_len: int
     vocab_size: int
+    # Structured-output specs are compiled against the served vocabulary (a bare checker reads syntax only).
+    grammars: GrammarChecker = field(default_factory=GrammarChecker)
 
 
 def _finite(field: str, value: float) -> None:
@@ -87,6 +90,21 @@ def check_sampling(sampling: common_pb2.SamplingParams, limits: ModelLimits) -> 
             "sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(s.stop_token_ids)}"
         )
     check_token_ids("sampling.stop_token_ids", s.stop_token_ids, limits.vocab_size)
+    check_structured_output(s, limits)
+
+
+def check_structured_output(s: common_pb2.SamplingParams, limits: ModelLimits) -> None:
+    kind = s.WhichOneof("structured_output")
+    if kind is None:
+        return
+    # A complete output allows only EOS: the request must be free to end on it.
+    if s.ignore_eos:
+        raise InvalidArgument("sampling.ignore_eos", f"cannot be combined with a structured output ({kind})")
+    if s.min_tokens:
+        raise InvalidArgument("sampling.min_tokens", f"cannot be combined with a structured output ({kind})")
+    where, problem = limits.grammars.problem(s)
+    if problem:
+        raise InvalidArgument(where, problem)
 
 
 def check_prompt_length(field: str, num_prompt_tokens: int, limits: ModelLimits) -> None:

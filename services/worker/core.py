@@ -15,6 +15,7 @@ from .engine import LoadedModel, create_runner, load_model, max_model_len, plan_
 from .loader import ModelLoadError, eos_token_ids, load_tokenizer, tokenizer_files
 from .memory import MemoryFigures
 from .model_runner import ModelRunner
+from .structured import GrammarCache
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,7 @@ class WorkerCore:
     runner: ModelRunner
     handshake: worker_pb2.HandshakeResponse
     seed: int | None
+    grammars: GrammarCache
 
     @property
     def max_model_len(self) -> int:
@@ -94,7 +96,14 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
     )
     if metrics is not None:
         record_metrics(metrics, loaded, figures)
-    return WorkerCore(runner, handshake, config.model.seed)
+    grammars = grammar_cache(handshake)
+    return WorkerCore(runner, handshake, config.model.seed, grammars)
+
+
+def grammar_cache(handshake: worker_pb2.HandshakeResponse) -> GrammarCache:
+    """Structured outputs compile against the same tokenizer.json the frontend is built from."""
+    tokenizer_json = handshake.tokenizer_files.get("tokenizer.json", b"").decode("utf-8")  # the frontend needs it too
+    return GrammarCache(tokenizer_json, handshake.vocab_size, list(handshake.eos_token_ids))
 
 
 def memory_profile(f: MemoryFigures) -> worker_pb2.MemoryProfile:

@@ -1,8 +1,8 @@
 """Batched sampling over one step's logits: greedy, temperature, min-p / top-k / top-p, penalties,
 per-request seeds and top-n logprobs.
 
-Order per row (as vLLM): stop tokens banned until min_tokens -> penalties on the raw logits ->
-temperature -> min-p -> top-k -> top-p -> sample.
+Order per row (as vLLM): structured-output mask -> stop tokens banned until min_tokens -> penalties ->
+temperature -> min-p -> top-k -> top-p -> sample. Logprobs are read after the mask, before the rest.
 Greedy rows take the argmax of the penalised logits. Random rows use the exponential race:
 argmax(probs / E) with E ~ Exp(1) i.i.d. per token, which picks token i with probability probs[i].
 The noise of a seeded request's output token k comes from a generator seeded with mix(seed, k),
@@ -20,6 +20,7 @@ from kvgrid.v1 import common_pb2
 from services.worker.penalties import apply_penalties, gather_penalty_state, penalty_params
 from services.worker.sampling_filters import apply_min_p, apply_top_k, apply_top_k_top_p
 from services.worker.sampling_params import RequestSampling, device_tensor
+from services.worker.structured import apply_token_masks
 
 __all__ = ["RequestSampling", "Sampler", "SamplerOutput", "position_seed"]
 
@@ -81,8 +82,11 @@ class Sampler:
         penalised_rows = [i for i, r in enumerate(requests) if r.penalised]
         banning_rows = [i for i, r in enumerate(requests) if r.bans_stop_tokens]
         random_rows = [i for i, r in enumerate(requests) if not r.greedy]
+        constrained_rows = [i for i, r in enumerate(requests) if r.constraint is not None]
 
-        raw_logprobs = None  # [L, vocab]: log-softmax of the raw logits of the rows asking for logprobs
+        if constrained_rows:
+            apply_token_masks(logits, constrained_rows, [requests[i].constraint for i in constrained_rows])
+        raw_logprobs = None  # [L, vocab]: log-softmax of the (masked) logits of the rows asking for logprobs
         if logprob_rows:
             raw_logprobs = torch.log_softmax(logits[self._index(logprob_rows)], dim=-1)
         if banning_rows:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvgrid.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from services.worker.structured import TokenConstraint
 
 # Temperatures below this sample like greedy: softmax(logits / T) is one-hot long before T reaches 0.
 GREEDY_TEMPERATURE = 1e-5
@@ -55,15 +59,17 @@ class RequestSampling:
     # Kept as one-row matrices so a batch is a torch.cat (torch.stack of 1-D rows is far slower on CPU).
     prompt_mask: torch.Tensor | None = None  # [1, vocab] bool, token occurs in the prompt
     output_counts: torch.Tensor | None = None  # [1, vocab] int32, times each token was generated
+    # Structured output: the matcher of the request's constraint (None: unconstrained).
+    constraint: TokenConstraint | None = None
     # Derived once from the parameters (fixed after construction): the sampler checks them per row per step.
     greedy: bool = field(init=False)
     penalised: bool = field(init=False)
-    argmax_only: bool = field(init=False)  # greedy, no penalties, no logprobs
+    argmax_only: bool = field(init=False)  # greedy, no penalties, no logprobs, no constraint
 
     def __post_init__(self) -> None:
         self.greedy = self.temperature == 0.0
         self.penalised = self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-        self.argmax_only = self.greedy and not self.penalised and self.num_logprobs == 0
+        self.argmax_only = self.greedy and not self.penalised and self.num_logprobs == 0 and self.constraint is None
 
     @classmethod
     def create(
@@ -73,10 +79,12 @@ class RequestSampling:
         output_token_ids: list[int],
         default_seed: int | None = None,
         eos_token_ids: list[int] | tuple[int, ...] = (),
+        constraint: TokenConstraint | None = None,
     ) -> RequestSampling:
         """``output_token_ids`` is non-empty for a request resumed after preemption: they count for
         penalties and for the position of the seeded noise. ``eos_token_ids`` (the model's) are banned,
-        with ``stop_token_ids``, until ``min_tokens`` tokens were generated."""
+        with ``stop_token_ids``, until ``min_tokens`` tokens were generated. ``constraint`` is the
+        request's structured-output matcher, already advanced over ``output_token_ids``."""
         temperature = params.temperature if params.temperature >= GREEDY_TEMPERATURE else 0.0
         top_p = params.top_p if 0.0 < params.top_p < 1.0 else 1.0
         repetition = params.repetition_penalty if params.repetition_penalty > 0.0 else 1.0
@@ -92,6 +100,7 @@ class RequestSampling:
             num_logprobs=min(params.logprobs, MAX_LOGPROBS),
             num_output_tokens=len(output_token_ids),
             default_seed=default_seed,
+            constraint=constraint,
         )
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         if params.min_tokens > 0 and banned:
@@ -115,6 +124,8 @@ class RequestSampling:
     def append(self, token_id: int) -> None:
         """Record a token sampled for this request (the worker calls this once per sampled token)."""
         self.num_output_tokens += 1
+        if self.constraint is not None:
+            self.constraint.advance(token_id)
         if self.penalised:
             self.pending_token_ids.append(token_id)
 

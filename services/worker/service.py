@@ -64,7 +64,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         def make_sampling(params, prompt, outputs) -> RequestSampling:
             # EOS (unless ignore_eos) and stop tokens are banned until min_tokens have been generated.
-            return RequestSampling.create(params, prompt, outputs, default_seed=seed, eos_token_ids=eos)
+            constraint = core.grammars.constraint(params, outputs)
+            return RequestSampling.create(
+                params, prompt, outputs, default_seed=seed, eos_token_ids=eos, constraint=constraint
+            )
 
         states = RequestStates(
             core.runner.block_size, core.runner.num_blocks, core.vocab_size, core.max_model_len, make_sampling

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 from tests.e2e.hf_reference import HFReference
-from tests.e2e.stack import Stack
+from tests.e2e.stack import Stack, running_stack
 
 # Small enough for a busy CPU, large enough for 32 concurrent requests and a 1000-token prompt.
 FP32_ARGS = ["--dtype", "float32", "--kv-cache-memory", "512MiB", "--max-model-len", "1024"]
@@ -20,11 +20,8 @@ def hf() -> HFReference:
 
 @pytest.fixture(scope="session")
 def fp32_stack(tmp_path_factory, hf) -> Stack:
-    stack = Stack(tmp_path_factory.mktemp("fp32") / "serve.log", FP32_ARGS).start()
-    try:
-        yield stack.wait_ready()
-    finally:
-        stack.stop()
+    with running_stack(tmp_path_factory.mktemp("fp32") / "serve.log", FP32_ARGS) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="session")

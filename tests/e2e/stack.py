@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -91,6 +93,16 @@ class Stack:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@contextlib.contextmanager
+def running_stack(log_path: pathlib.Path, extra_args: list[str]) -> Iterator[Stack]:
+    """A ready stack for the body of the ``with``, stopped after it whatever happened."""
+    stack = Stack(log_path, extra_args).start()
+    try:
+        yield stack.wait_ready()
+    finally:
+        stack.stop()
 
 
 def pid_alive(pid: int) -> bool:

@@ -1,4 +1,5 @@
-"""The scheduler never imports torch (its image has none)."""
+"""The scheduler never imports torch (its image has none), nor the structured-output library: it carries
+SamplingParams to the worker untouched."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import sys
 import services.scheduler
 
 
-def _imports_torch(modules: list[str]) -> bool:
+def _imports_torch(modules: list[str], name: str = "torch") -> bool:
     code = "import importlib, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules)
-    code += "print('torch' in sys.modules)"
+    code += f"print({name!r} in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     return out.stdout.strip() == "True"
 
@@ -24,3 +25,8 @@ def test_no_module_of_the_package_imports_torch():
     modules = [m.name for m in pkgutil.walk_packages(services.scheduler.__path__, "services.scheduler.")]
     assert "services.scheduler.engine" in modules and len(modules) >= 10
     assert not _imports_torch(modules)
+
+
+def test_no_module_of_the_package_imports_llguidance():
+    modules = [m.name for m in pkgutil.walk_packages(services.scheduler.__path__, "services.scheduler.")]
+    assert not _imports_torch(modules, "llguidance")

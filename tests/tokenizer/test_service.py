@@ -266,6 +266,19 @@ BAD_GENERATE = [
     (dict(prompt_token_ids=list(range(MAX_MODEL_LEN))), "prompt_token_ids"),
     (dict(prompt="word " * MAX_MODEL_LEN), "prompt"),
     (dict(prompt="wörd " * 2000), "prompt"),  # long enough to be tokenized off the event loop
+    (dict(prompt="hi", sampling=S(json_schema="{oops")), "sampling.json_schema"),
+    (dict(prompt="hi", sampling=S(json_schema='{"type": "wizard"}')), "sampling.json_schema"),
+    (dict(prompt="hi", sampling=S(json_schema="[1, 2]")), "sampling.json_schema"),
+    (dict(prompt="hi", sampling=S(regex="a[")), "sampling.regex"),
+    (dict(prompt="hi", sampling=S(regex="")), "sampling.regex"),
+    (dict(prompt="hi", sampling=S(choice=common_pb2.Choices())), "sampling.choice"),
+    (dict(prompt="hi", sampling=S(choice=common_pb2.Choices(choices=["a", ""]))), "sampling.choice[1]"),
+    (dict(prompt="hi", sampling=S(grammar="start: undefined_rule")), "sampling.grammar"),
+    (dict(prompt="hi", sampling=S(grammar="root ::= ((")), "sampling.grammar"),
+    (dict(prompt="hi", sampling=S(grammar='start: "a" <|no_such_token|>')), "sampling.grammar"),  # vocabulary
+    (dict(prompt="hi", sampling=S(json_object=False)), "sampling.json_object"),
+    (dict(prompt="hi", sampling=S(regex="a+", ignore_eos=True)), "sampling.ignore_eos"),
+    (dict(prompt="hi", sampling=S(regex="a+", min_tokens=2)), "sampling.min_tokens"),
 ]
 BAD_CHAT = [
     (dict(messages=[]), "messages"),
@@ -293,6 +306,19 @@ def test_bad_chat_requests_are_invalid_argument_naming_the_field(stack, fields, 
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(field + ":"), err.value.details()
     assert len(stack.fake.submits) == before
+
+
+def test_a_structured_output_reaches_the_scheduler_as_given(stack):
+    schema = '{"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}'
+    generate(stack, prompt="hi", sampling=S(json_schema=schema))
+    assert stack.fake.submits[-1].sampling.json_schema == schema
+    generate(stack, prompt="hi", sampling=S(choice=common_pb2.Choices(choices=["yes", "no"])))
+    assert list(stack.fake.submits[-1].sampling.choice.choices) == ["yes", "no"]
+
+
+def test_a_grammar_naming_a_special_token_of_the_vocabulary_is_accepted(stack):
+    generate(stack, prompt="hi", sampling=S(grammar='start: "a" <|im_end|>'))
+    assert stack.fake.submits[-1].sampling.grammar == 'start: "a" <|im_end|>'
 
 
 def test_too_long_prompt_names_both_numbers(stack):
@@ -385,10 +411,10 @@ def test_health_follows_the_scheduler(stack):
     assert generate(stack, prompt="hi")[-1].finish_reason
 
 
-def test_http_port_answers_only_metrics_and_health(stack):
+def test_http_health_and_metrics_answer_get_and_head_only(stack):
     base = f"http://127.0.0.1:{stack.frontend.http_port}"
     with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(f"{base}/v1/completions", timeout=5)
+        urllib.request.urlopen(f"{base}/no/such/page", timeout=5)
     assert err.value.code == 404
     head = urllib.request.urlopen(urllib.request.Request(f"{base}/health", method="HEAD"), timeout=5)
     assert head.status == 200 and head.read() == b""

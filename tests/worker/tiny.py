@@ -91,3 +91,29 @@ def save_tiny_tokenizer(path: str, vocab_size: int = 150) -> str:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>")
     fast.save_pretrained(path)
     return path
+
+
+def tiny_bytelevel_tokenizer():
+    """A byte-level BPE tokenizer (256 byte tokens, a few merges, <|im_end|>): any text encodes, and
+    llguidance can read it (it needs a byte-level or SentencePiece decoder)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges = []
+    for a, b in [("t", "r"), ("tr", "u"), ("tru", "e"), ("Ġ", "t"), ('"', ":"), ("n", "o")]:
+        vocab[a + b] = len(vocab)
+        merges.append((a, b))
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|im_end|>", special=True, normalized=False)])
+    return tok
+
+
+def save_tiny_bytelevel_tokenizer(path: str) -> str:
+    """``tiny_bytelevel_tokenizer`` saved as a fast tokenizer (263 ids: pair it with a model of vocab >= 263)."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tiny_bytelevel_tokenizer(), eos_token="<|im_end|>")
+    fast.save_pretrained(path)
+    return path

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API of the frontend (FastAPI on uvicorn), with /health and /metrics."""

@@ -1,0 +1,118 @@
+"""The choices of one OpenAI request (n per prompt) run concurrently through the frontend pipeline.
+
+The n choices of a prompt share its KV blocks through the prefix cache: the first one is submitted alone,
+and its siblings once it has produced output, when its prompt's full blocks are computed and cached at
+the scheduler. Closing the merged stream (a client that went away) cancels every choice, which aborts
+each upstream and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvgrid.v1 import common_pb2, generate_pb2
+from services.common.metrics import TokenizerMetrics
+from services.tokenizer.engine_client import EngineClient
+from services.tokenizer.generation import generate
+from services.tokenizer.request_metrics import RequestMetrics
+from services.tokenizer.text_tokenizer import TextTokenizer
+from services.tokenizer.validation import ModelLimits
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    prompt_index: int
+    request_id: str
+    prompt_ids: list[int]
+    sampling: common_pb2.SamplingParams
+    leader: bool  # the first choice of its prompt: its siblings wait for its prompt to be cached
+
+
+@dataclass(slots=True)
+class Pipeline:
+    """What a choice needs to run: the engine client and the model's tokenizer and limits."""
+
+    engine: EngineClient
+    tokenizer: TextTokenizer
+    limits: ModelLimits
+    metrics: TokenizerMetrics
+    parent_context: object = None
+
+
+def plan_choices(
+    request_id: str, prompts: list[list[int]], sampling: common_pb2.SamplingParams, n: int
+) -> list[Choice]:
+    """Choice ``p * n + j`` is sample j of prompt p. A seed gives sample j the seed + j, so the n samples
+    differ and each is reproducible."""
+    choices = []
+    for p, prompt_ids in enumerate(prompts):
+        for j in range(n):
+            index = p * n + j
+            params = common_pb2.SamplingParams()
+            params.CopyFrom(sampling)
+            if sampling.HasField("seed"):
+                params.seed = (sampling.seed + j) & _MASK64
+            rid = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
+            choices.append(Choice(index, p, rid, prompt_ids, params, leader=j == 0))
+    return choices
+
+
+async def run_choices(
+    pipe: Pipeline, choices: list[Choice]
+) -> AsyncIterator[tuple[int, generate_pb2.GenerateResponse]]:
+    """(choice index, delta) as each arrives; raises the first KvgridError any choice raises."""
+    queue: asyncio.Queue = asyncio.Queue()
+    cached: dict[int, asyncio.Event] = {}  # prompt index -> set once its leader produced output
+    tasks = []
+    for choice in choices:
+        event = cached.setdefault(choice.prompt_index, asyncio.Event())
+        tasks.append(asyncio.create_task(_run_one(pipe, choice, event, queue)))
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _run_one(pipe: Pipeline, choice: Choice, prompt_cached: asyncio.Event, queue: asyncio.Queue) -> None:
+    try:
+        if not choice.leader:
+            await prompt_cached.wait()
+        with RequestMetrics(pipe.metrics, choice.request_id) as tracked:
+            stream = generate(
+                pipe.engine,
+                pipe.tokenizer,
+                pipe.limits,
+                choice.request_id,
+                choice.prompt_ids,
+                choice.sampling,
+                parent_context=pipe.parent_context,
+                tracked=tracked,
+            )
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    prompt_cached.set()
+                    queue.put_nowait((choice.index, out))
+        queue.put_nowait((choice.index, None))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+        queue.put_nowait((choice.index, exc))
+    finally:
+        prompt_cached.set()  # a failed leader must not hold its siblings forever
