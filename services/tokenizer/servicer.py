@@ -86,13 +86,6 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest, context) -> generate_pb2.ModelInfo:
         return self._state.model_info()
 
-    @staticmethod
-    async def _encode_chat(tokenizer: TextTokenizer, messages) -> list[int]:
-        if tokenizer.chat_template is None:
-            raise InvalidArgument("messages", "the model's tokenizer has no chat template; use Generate with a prompt")
-        num_chars = sum(len(m.content) for m in messages)
-        return await _off_loop(tokenizer.encode_chat, _messages(messages), num_chars)
-
     async def _stream(
         self,
         tokenizer: TextTokenizer,
