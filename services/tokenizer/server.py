@@ -54,7 +54,8 @@ class TokenizerServer:
         left = await self.state.wait_streams_done(grace)
         if left:
             log.warning("%d streams still running after the %gs shutdown grace; cancelling them", left, grace)
-        await asyncio.gather(self.server.stop(0), self.http.close(0))
+        # The streams are done (or out of time): a second for idle keep-alive HTTP connections to close.
+        await asyncio.gather(self.server.stop(0), self.http.close(1.0))
         await self.engine.close()
 
     async def wait_for_termination(self) -> None:

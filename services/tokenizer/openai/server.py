@@ -40,8 +40,14 @@ class HttpServer:
             raise
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
+        # log_config=None: uvicorn's records go through kvgrid's handlers (text or JSON lines), not its own.
         config = uvicorn.Config(
-            self._app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
+            self._app,
+            log_level="warning",
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
         )
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
