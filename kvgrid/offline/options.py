@@ -12,16 +12,11 @@ import argparse
 import dataclasses
 from typing import Any
 
+from kvgrid.cli import SERVICES
 from services.common import config as cfg
 
-SECTIONS = (
-    cfg.ModelConfig,
-    cfg.LoadConfig,
-    cfg.DeviceConfig,
-    cfg.CacheConfig,
-    cfg.SchedulerConfig,
-    cfg.ParallelConfig,
-)
+# The worker's flags (the scheduler's are among them) without the network and logging ones: nothing is served.
+SECTIONS = tuple(s for s in SERVICES["worker"][1] if s not in (cfg.NetworkConfig, cfg.ObservabilityConfig))
 OPTION_NAMES = tuple(f.name for section in SECTIONS for f in dataclasses.fields(section))
 
 

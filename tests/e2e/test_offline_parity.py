@@ -40,22 +40,22 @@ def sampling_cases() -> list[SamplingParams]:
     ]
 
 
+def assert_equal_to_transformers(hf, outputs, prompts_ids: list[list[int]], eos_ids: list[int]) -> None:
+    for prompt_ids, out in zip(prompts_ids, outputs, strict=True):
+        expected = strip_eos(hf.greedy(prompt_ids, MAX_TOKENS, eos_ids), eos_ids)
+        assert out.prompt_token_ids == prompt_ids
+        assert strip_eos(out.token_ids, eos_ids) == expected, out.prompt
+        assert out.text == hf.decode(expected), out.prompt
+        assert out.finish_reason == ("length" if len(out.token_ids) == MAX_TOKENS else "stop")
+
+
 def test_greedy_equals_transformers(hf, llm):
     eos_ids = list(llm.engine.core.handshake.eos_token_ids)
-    results = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
-    for prompt, out in zip(PROMPTS, results, strict=True):
-        prompt_ids = hf.encode(prompt)
-        expected = strip_eos(hf.greedy(prompt_ids, MAX_TOKENS, eos_ids), eos_ids)
-        assert out.prompt_token_ids == prompt_ids
-        assert strip_eos(out.token_ids, eos_ids) == expected, prompt
-        assert out.text == hf.decode(expected), prompt
-        assert out.finish_reason == ("length" if len(out.token_ids) == MAX_TOKENS else "stop")
-    chats = llm.chat(CONVERSATIONS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
-    for conversation, out in zip(CONVERSATIONS, chats, strict=True):
-        prompt_ids = hf.chat_ids(conversation)
-        expected = strip_eos(hf.greedy(prompt_ids, MAX_TOKENS, eos_ids), eos_ids)
-        assert out.prompt_token_ids == prompt_ids
-        assert strip_eos(out.token_ids, eos_ids) == expected, conversation
+    greedy = SamplingParams(max_tokens=MAX_TOKENS)
+    results = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert_equal_to_transformers(hf, results, [hf.encode(p) for p in PROMPTS], eos_ids)
+    chats = llm.chat(CONVERSATIONS, greedy, use_tqdm=False)
+    assert_equal_to_transformers(hf, chats, [hf.chat_ids(c) for c in CONVERSATIONS], eos_ids)
     assert "Paris" in chats[0].text
 
 
