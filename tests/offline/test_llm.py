@@ -150,3 +150,13 @@ def test_importing_kvgrid_does_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_offline_engine_imports_no_servicer():
+    code = (
+        "import re, sys, kvgrid.offline.llm, kvgrid.offline.run_batch; "
+        "bad = [m for m in sys.modules if re.fullmatch(r'services\\.(scheduler|worker|tokenizer)\\."
+        "(servicer|service|server|main|http_server)', m)]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
