@@ -15,6 +15,7 @@ BENCHMARKS = [
     ["benchmarks.sampling_bench", "--threads", "2"],
     ["benchmarks.worker_bench", "--dtype", "bfloat16"],
     ["benchmarks.worker_bench", "--dtype", "float32"],
+    ["benchmarks.offline_bench"],
     ["benchmarks.attention_bench"],  # CUDA only; says so and exits 0 elsewhere
 ]
 
