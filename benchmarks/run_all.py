@@ -18,6 +18,7 @@ BENCHMARKS = [
     ["benchmarks.http_vs_grpc_bench", "--serve"],
     ["benchmarks.worker_bench", "--dtype", "bfloat16"],
     ["benchmarks.worker_bench", "--dtype", "float32"],
+    ["benchmarks.offline_bench"],
     ["benchmarks.attention_bench"],  # CUDA only; says so and exits 0 elsewhere
 ]
 

@@ -1,3 +1,24 @@
-"""kvgrid: an LLM serving system split into tokenizer, scheduler and worker services."""
+"""kvgrid: an LLM serving system split into tokenizer, scheduler and worker services.
+
+``from kvgrid import LLM, SamplingParams`` runs it offline in this process (see ``kvgrid.offline``).
+The names load on first use: the services import this package and must not pull in torch.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "kvgrid.offline.llm",
+    "SamplingParams": "kvgrid.offline.sampling_params",
+    "RequestOutput": "kvgrid.offline.outputs",
+}
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvgrid' has no attribute {name!r}")

@@ -49,11 +49,12 @@ SERVICES = {
         "serve the public API (kvgrid.v1.TextGeneration)",
     ),
 }
-# client subcommands parse their own arguments: module with `main(argv) -> int`
+# subcommands that parse their own arguments: module with `main(argv) -> int`
 CLIENTS = {
     "generate": ("kvgrid.client", "stream a completion to stdout"),
     "chat": ("kvgrid.chat", "chat in the terminal"),
     "bench": ("kvgrid.bench", "serving benchmark against a running stack"),
+    "run-batch": ("kvgrid.offline.run_batch", "run an OpenAI batch file (JSONL) offline, in this process"),
 }
 
 

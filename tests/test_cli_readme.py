@@ -7,6 +7,7 @@ import pathlib
 import re
 
 from kvgrid import bench, chat, client, docs
+from kvgrid.offline import run_batch
 from services.common import config as cfg
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -26,7 +27,7 @@ def test_every_service_flag_and_variable_is_in_the_table():
 
 
 def test_every_client_flag_is_documented():
-    for module in (client, chat, bench):
+    for module in (client, chat, bench, run_batch):
         for action in module.build_parser()._actions:
             longs = [o for o in action.option_strings if o.startswith("--") and o != "--help"]
             for option in longs:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvgrid.v1 import common_pb2, worker_pb2
+from kvgrid.v1 import common_pb2, scheduler_pb2, worker_pb2
 from services.scheduler.request import DEFAULT_MAX_TOKENS, RequestStatus, StopConditions
-from services.scheduler.scheduler import SchedulerOutput
+from services.scheduler.scheduler import RequestOutput, SchedulerOutput
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: common_pb2.FINISH_REASON_STOP,
@@ -55,3 +55,12 @@ def sampled_from_proto(result: worker_pb2.StepResult, want_logprobs: bool = True
         (s.request_id, s.token_id, s.logprob if want_logprobs and s.HasField("logprob") else None)
         for s in result.sampled
     ]
+
+
+def add_output(response: scheduler_pb2.SubmitResponse, output: RequestOutput) -> None:
+    """Append one sampled token (and its logprob and finish reason, if any) to a request's delta."""
+    response.token_ids.append(output.token_id)
+    if output.logprob is not None:
+        response.logprobs.append(output.logprob)
+    if output.finish is not None:
+        response.finish_reason = FINISH_REASONS[output.finish]

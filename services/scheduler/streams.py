@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from kvgrid.v1 import common_pb2, scheduler_pb2
-from services.scheduler.convert import FINISH_REASONS
+from services.scheduler.convert import add_output
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestOutput
 
@@ -51,11 +51,8 @@ class RequestStream:
                 if item is _ABORTED:
                     response.finish_reason = common_pb2.FINISH_REASON_ABORT
                     break
-                response.token_ids.append(item.token_id)
-                if item.logprob is not None:
-                    response.logprobs.append(item.logprob)
+                add_output(response, item)
                 if item.finish is not None:
-                    response.finish_reason = FINISH_REASONS[item.finish]
                     break
                 if queue.empty():
                     break

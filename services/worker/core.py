@@ -15,6 +15,8 @@ from .engine import LoadedModel, create_runner, load_model, max_model_len, plan_
 from .loader import ModelLoadError, eos_token_ids, load_tokenizer, tokenizer_files
 from .memory import MemoryFigures
 from .model_runner import ModelRunner
+from .sampling_params import RequestSampling
+from .state import RequestStates
 from .structured import GrammarCache
 
 log = logging.getLogger(__name__)
@@ -34,6 +36,21 @@ class WorkerCore:
     @property
     def vocab_size(self) -> int:
         return self.handshake.vocab_size
+
+    def request_states(self) -> RequestStates:
+        """Empty per-request state for one plan stream (the Execute stream, or an offline engine)."""
+        seed, eos = self.seed, tuple(self.handshake.eos_token_ids)
+
+        def make_sampling(params, prompt, outputs) -> RequestSampling:
+            # EOS (unless ignore_eos) and stop tokens are banned until min_tokens have been generated.
+            constraint = self.grammars.constraint(params, outputs)
+            return RequestSampling.create(
+                params, prompt, outputs, default_seed=seed, eos_token_ids=eos, constraint=constraint
+            )
+
+        return RequestStates(
+            self.runner.block_size, self.runner.num_blocks, self.vocab_size, self.max_model_len, make_sampling
+        )
 
 
 def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: str | None = None) -> WorkerCore:

@@ -16,8 +16,7 @@ from services.common.metrics import WorkerMetrics
 
 from .core import WorkerCore
 from .model_runner import SampledRow
-from .sampling_params import RequestSampling
-from .state import RequestState, RequestStates
+from .state import RequestState
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +59,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     @grpc_errors
     async def Execute(self, request_iterator, context):
         core = self._ready()
-        seed, eos = core.seed, tuple(core.handshake.eos_token_ids)
-
-        def make_sampling(params, prompt, outputs) -> RequestSampling:
-            # EOS (unless ignore_eos) and stop tokens are banned until min_tokens have been generated.
-            constraint = core.grammars.constraint(params, outputs)
-            return RequestSampling.create(
-                params, prompt, outputs, default_seed=seed, eos_token_ids=eos, constraint=constraint
-            )
-
-        states = RequestStates(
-            core.runner.block_size, core.runner.num_blocks, core.vocab_size, core.max_model_len, make_sampling
-        )
+        states = core.request_states()
         spans = _RequestSpans()
         loop = asyncio.get_running_loop()
         log.info("execute stream opened")

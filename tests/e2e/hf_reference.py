@@ -16,6 +16,8 @@ class HFReference:
         self.model = None
         self.tokenizer = None
         self._error: BaseException | None = None
+        # Greedy outputs by (prompt, max_new_tokens, eos ids): several suites compare against the same prompts.
+        self._greedy: dict[tuple, list[int]] = {}
         self._thread = threading.Thread(target=self._load, name="hf-reference", daemon=True)
         self._thread.start()
 
@@ -53,6 +55,9 @@ class HFReference:
         """transformers' greedy generate; the output ends at (and includes) the first EOS id."""
         import torch
 
+        key = (tuple(prompt_ids), max_new_tokens, tuple(eos_ids))
+        if key in self._greedy:
+            return list(self._greedy[key])
         self.ready()
         with torch.inference_mode():
             out = self.model.generate(
@@ -63,7 +68,8 @@ class HFReference:
                 eos_token_id=eos_ids,
                 pad_token_id=eos_ids[0],
             )
-        return out[0, len(prompt_ids) :].tolist()
+        self._greedy[key] = out[0, len(prompt_ids) :].tolist()
+        return list(self._greedy[key])
 
     def top_k_under_teacher_forcing(self, prompt_ids: list[int], output_ids: list[int], k: int) -> list[set[int]]:
         """For each output position, the k most likely tokens given the prompt and the outputs before it."""

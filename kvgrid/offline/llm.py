@@ -1,0 +1,228 @@
+"""``LLM``: kvgrid's scheduler core and model runner in the caller's process, for offline batches.
+
+    from kvgrid import LLM, SamplingParams
+
+    llm = LLM()  # the embedded SmolLM2-135M-Instruct; LLM(model="path/to/model", dtype="float32", ...)
+    for out in llm.generate(["The capital of France is"], SamplingParams(max_tokens=32)):
+        print(out.text)
+
+No gRPC, no services, no threads of its own: ``generate`` feeds the requests to the
+scheduler and steps the engine in a plain loop until every one has finished.
+Validation, tokenization, chat templates, detokenization and stop strings are the
+tokenizer frontend's modules, so a request gives the same tokens and text here as
+through ``kvgrid serve``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvgrid.v1 import common_pb2, generate_pb2, scheduler_pb2
+from services.common.config import Config
+from services.common.errors import InvalidArgument, KvgridError
+from services.scheduler.admission import admit
+from services.scheduler.request import Request
+from services.tokenizer import validation as v
+from services.tokenizer.text_tokenizer import TextTokenizer, read_tokenizer_dir
+from services.worker.core import build_core
+
+from .engine import EngineStats, OfflineEngine
+from .options import offline_config
+from .outputs import OutputCollector, RequestOutput
+from .progress import Progress
+from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+Conversation = Sequence[dict[str, str]]
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated request, ready for the scheduler."""
+
+    request: Request
+    prompt: str | None
+    sampling: common_pb2.SamplingParams  # as the caller gave it (stop strings included)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        kv_cache_memory: int | str | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        **options: Any,
+    ):
+        """Options are the worker's and scheduler's flags (``max_num_seqs``, ``block_size``, ``device``, ...),
+        with their defaults; None means the default. Loads the model and allocates the KV cache."""
+        values = dict(
+            model=model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            kv_cache_memory=kv_cache_memory,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            **options,
+        )
+        self._setup(offline_config(values))
+
+    @classmethod
+    def from_config(cls, config: Config) -> LLM:
+        """An LLM from a parsed configuration (``kvgrid run-batch`` builds one from its flags)."""
+        llm = cls.__new__(cls)
+        llm._setup(config)
+        return llm
+
+    def _setup(self, config: Config) -> None:
+        if config.device.num_threads > 0:
+            import torch
+
+            torch.set_num_threads(config.device.num_threads)
+        core = build_core(config)
+        files = read_tokenizer_dir(config.model.tokenizer) if config.model.tokenizer else core.handshake.tokenizer_files
+        self.tokenizer = TextTokenizer.from_files(dict(files))
+        self.engine = OfflineEngine(core, config)
+        self.model_name = config.model.name
+        info = core.handshake
+        self.limits = v.ModelLimits(
+            max_model_len=info.max_model_len, vocab_size=info.vocab_size or self.tokenizer.vocab_size
+        )
+        self._next_id = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    def stats(self) -> EngineStats:
+        """Counters since this LLM was built: steps, preemptions, prefix-cache lookups and hits."""
+        return self.engine.stats()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One result per prompt, in order. A prompt is text or a list of token ids; ``sampling_params`` is one
+        for all prompts or one per prompt. Every request is checked before any runs: ValueError names the first
+        bad one."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        prepared = [_indexed(i, self.prepare, p, s) for i, (p, s) in enumerate(zip(prompts, params, strict=True))]
+        return self.run(prepared, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them, through the model's chat
+        template with the assistant's turn opened; one result per conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        params = _per_prompt(sampling_params, len(conversations))
+        prepared = [
+            _indexed(i, self.prepare_chat, c, s) for i, (c, s) in enumerate(zip(conversations, params, strict=True))
+        ]
+        return self.run(prepared, use_tqdm)
+
+    def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
+        """Check and tokenize one prompt; ValueError with the frontend's message when the request is invalid."""
+        if isinstance(prompt, str):
+            return self._prepare_ids("prompt", self.tokenizer.encode(prompt), params, prompt)
+        ids = list(prompt)
+        if not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ValueError("prompt_token_ids: token ids must be integers >= 0")
+        return self._prepare_ids("prompt_token_ids", ids, params, None)
+
+    def prepare_chat(self, conversation: Conversation, params: SamplingParams) -> PreparedRequest:
+        try:
+            messages = [generate_pb2.ChatMessage(**m) for m in conversation]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f'messages: each message is {{"role": ..., "content": "..."}} ({e})') from None
+        try:
+            v.check_messages("messages", messages)
+            if self.tokenizer.chat_template is None:
+                raise InvalidArgument("messages", "the model's tokenizer has no chat template; use generate()")
+            ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
+        except KvgridError as e:
+            raise ValueError(str(e)) from None
+        return self._prepare_ids("messages", ids, params, None)
+
+    def _prepare_ids(self, field: str, ids: list[int], params: SamplingParams, prompt: str | None) -> PreparedRequest:
+        sampling = params.validate(self.limits)
+        try:
+            v.check_token_ids(field, ids, self.limits.vocab_size)
+            v.check_prompt_length(field, len(ids), self.limits)
+            submit = scheduler_pb2.SubmitRequest(
+                request_id=str(self._next_id),
+                prompt_token_ids=ids,
+                sampling=v.submit_sampling(sampling, len(ids), self.limits),
+            )
+            request = admit(submit, self.engine.admission, live=(), num_waiting=0)
+        except KvgridError as e:
+            raise ValueError(str(e)) from None
+        self._next_id += 1
+        return PreparedRequest(request, prompt, sampling)
+
+    def run(self, prepared: Sequence[PreparedRequest], use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prepared requests to the end; results in the order given."""
+        engine = self.engine
+        pending = deque(prepared)
+        index = {p.request.request_id: i for i, p in enumerate(prepared)}
+        collectors: dict[str, OutputCollector] = {}
+        results: list[RequestOutput | None] = [None] * len(prepared)
+        progress = Progress(len(prepared), use_tqdm)
+        try:
+            while pending or engine.has_work():
+                # The waiting queue is fed as it drains, so a long batch never meets the service's queue limit.
+                while pending and engine.scheduler.num_waiting < engine.admission.max_waiting_requests:
+                    p = pending.popleft()
+                    rid = p.request.request_id
+                    collectors[rid] = OutputCollector(
+                        self.tokenizer, rid, p.prompt, p.request.prompt_token_ids, p.sampling
+                    )
+                    engine.add(p.request)
+                for sampled in engine.step():
+                    rid = sampled.request.request_id
+                    collector = collectors[rid]
+                    collector.push(sampled)
+                    if not collector.finished:
+                        continue
+                    if sampled.finish is None:  # a stop string ended it here: the scheduler still holds it
+                        engine.abort(rid)
+                    result = results[index[rid]] = collectors.pop(rid).result()
+                    progress.done(result.num_prompt_tokens, result.num_completion_tokens)
+        finally:
+            for rid in collectors:  # interrupted: leave nothing behind for the next call
+                engine.abort(rid)
+            progress.close()
+        return results
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params: {len(params)} given for {n} prompts (give one, or one per prompt)")
+    return params
+
+
+def _indexed(i: int, prepare, item, params) -> PreparedRequest:
+    try:
+        return prepare(item, params)
+    except ValueError as e:
+        raise ValueError(f"prompt {i}: {e}") from None
