@@ -16,7 +16,7 @@ from services.common.metrics import WorkerMetrics
 
 from .core import WorkerCore
 from .model_runner import SampledRow
-from .state import RequestState
+from .state import RequestState, RequestStates
 
 log = logging.getLogger(__name__)
 
