@@ -129,15 +129,15 @@ def main() -> None:
     samples: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
         for b in batches:
-            loaded.model.cpu_decode = native
+            loaded.model.set_cpu_decode(native)
             samples.setdefault(("kvgrid", b), []).append(kvgrid_decode(runner, b, args.prompt_len, args.steps, vocab))
             if native is not None and b <= native.max_seqs:
-                loaded.model.cpu_decode = None
+                loaded.model.set_cpu_decode(None)
                 rate = kvgrid_decode(runner, b, args.prompt_len, args.steps, vocab)
                 samples.setdefault(("kvgrid_torch_path", b), []).append(rate)
             if hf is not None:
                 samples.setdefault(("hf", b), []).append(hf_decode(hf, b, args.prompt_len, args.steps, vocab))
-    loaded.model.cpu_decode = native
+    loaded.model.set_cpu_decode(native)
     median = {key: statistics.median(values) for key, values in samples.items()}
 
     rows = []

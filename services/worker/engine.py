@@ -128,13 +128,13 @@ def attach_cpu_kernels(model: LlamaForCausalLM, choice: str, device: torch.devic
     ``auto`` uses them where they build and apply (x86-64 with AVX2 and FMA, a C compiler,
     float32 or bfloat16, the torch attention backend) and otherwise says why in the log;
     ``native`` refuses to start without them; ``torch`` never uses them."""
-    model.cpu_decode = None
+    model.set_cpu_decode(None)
     if choice == "torch":
         return
     try:
         if device.type != "cpu" or backend != "torch":
             raise NativeKernelsUnavailable(f"they run on CPU with the torch attention backend, not {device}/{backend}")
-        model.cpu_decode = CpuDecodePath(model, load_native_kernels())
+        model.set_cpu_decode(CpuDecodePath(model, load_native_kernels()))
     except (NativeKernelsUnavailable, ValueError) as exc:
         if choice == "native":
             raise ModelLoadError(f"--cpu-kernels native: {exc}") from exc

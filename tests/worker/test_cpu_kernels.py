@@ -156,7 +156,7 @@ def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, n
         request(f"r{i}", torch.randint(0, 160, (n,), generator=g).tolist(), blocks[i], 0, n)
         for i, n in enumerate(lengths)
     ]
-    loaded.model.cpu_decode = None
+    loaded.model.set_cpu_decode(None)
     run_logits(runner, requests)  # prefill on the torch path
     for _step in range(6):
         for r in requests:
@@ -164,9 +164,9 @@ def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, n
             r.num_scheduled_tokens = 1
         inputs = runner.prepare(requests)
         with torch.inference_mode():
-            loaded.model.cpu_decode = None
+            loaded.model.set_cpu_decode(None)
             expected = runner.compute_logits(inputs)
-            loaded.model.cpu_decode = native  # rewrites the same cache slots with the same values
+            loaded.model.set_cpu_decode(native)  # rewrites the same cache slots with the same values
             ours = runner.compute_logits(inputs)
         if num_requests <= NATIVE_ROWS:  # the native GEMV's logits are in the model dtype
             assert ours.dtype == dt
@@ -176,6 +176,31 @@ def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, n
         for r in requests:
             r.num_computed_tokens += 1
             r.num_scheduled_tokens = 0
+
+
+def test_mixed_step_decodes_take_native_attention(tmp_path):
+    """A step of decodes plus a prefill chunk: the decodes' attention reads the block tables natively."""
+    loaded = load_model(save_tiny_model(str(tmp_path)), dtype="float32", device="cpu", attention_backend="torch")
+    native = loaded.model.cpu_decode
+    runner = create_runner(loaded, block_size=4, num_blocks=40)
+    g = torch.Generator().manual_seed(13)
+    requests = [request(f"r{i}", torch.randint(0, 160, (5 + 3 * i,), generator=g).tolist(),
+                        list(range(i, 40, 4)), 0, 5 + 3 * i) for i in range(4)]  # fmt: skip
+    run_logits(runner, requests[:3])  # three prompts done; the fourth arrives with the next step
+    for r in requests[:3]:
+        r.token_ids.append(int(torch.randint(0, 160, (1,), generator=g)))
+        r.num_scheduled_tokens = 1
+    inputs = runner.prepare(requests)
+    assert inputs.meta.query_lens_cpu == [1, 1, 1, 14]
+    calls = []
+    backend = loaded.model.layers[0].self_attn.backend
+    backend.native_decode = lambda *args: calls.append(args[4]) or native.attention(*args)
+    with torch.inference_mode():
+        ours = runner.compute_logits(inputs)
+        loaded.model.set_cpu_decode(None)
+        expected = runner.compute_logits(inputs)
+    assert calls == [3] * loaded.args.num_layers
+    torch.testing.assert_close(ours, expected, **TOLERANCE[torch.float32])
 
 
 def test_engine_choice(tmp_path, monkeypatch, caplog):

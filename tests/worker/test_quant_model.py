@@ -42,9 +42,9 @@ def test_int8_decode_steps(tmp_path, num_requests):
             inputs = runner.prepare(requests)
             with torch.inference_mode():
                 if runner is runners[0]:
-                    quantized.model.cpu_decode = None
+                    quantized.model.set_cpu_decode(None)
                     torch_path = runner.compute_logits(inputs)
-                    quantized.model.cpu_decode = native
+                    quantized.model.set_cpu_decode(native)
                 logits.append(runner.compute_logits(inputs))
             for r in requests:
                 r.num_computed_tokens += 1

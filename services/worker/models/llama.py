@@ -213,6 +213,11 @@ class LlamaForCausalLM(nn.Module):
         # Decode-only steps on CPU through the native kernels (see llama_cpu.py); set by the engine.
         self.cpu_decode: CpuDecodePath | None = None
 
+    def set_cpu_decode(self, path: CpuDecodePath | None) -> None:
+        """Decode-only steps, and the decodes of mixed steps' attention, on the native kernels (None: torch)."""
+        self.cpu_decode = path
+        self.layers[0].self_attn.backend.native_decode = None if path is None else path.attention  # shared backend
+
     def init_rope(self) -> None:
         a, w = self.args, self.embed_tokens.weight
         self.cos, self.sin = cos_sin_tables(

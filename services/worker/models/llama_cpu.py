@@ -121,6 +121,27 @@ class CpuDecodePath:
             self.linear(mlp.down_proj, act, hidden, accumulate=True)
         return hidden
 
+    def attention(
+        self,
+        query: torch.Tensor,  # [B, H, D], rows of any stride
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        num_seqs: int,  # the first B requests of the step, one new token each
+        scale: float,
+    ) -> torch.Tensor:  # [B, H, D]
+        """Paged decode attention for the decodes of a mixed step (``TorchAttentionBackend.native_decode``)."""
+        if query.stride(2) != 1 or query.stride(1) != self.head_dim:
+            query = query.contiguous()
+        out = torch.empty(num_seqs, self.heads, self.head_dim, dtype=query.dtype)
+        self.lib.kvg_set_num_threads(torch.get_num_threads())
+        self.lib.kvg_decode_attention(
+            query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), meta.block_tables.data_ptr(),
+            meta.block_tables.shape[1], meta.seq_lens.data_ptr(), out.data_ptr(), self.heads * self.head_dim,
+            num_seqs, self.heads, self.kv_heads, self.head_dim, k_cache.shape[1], scale, self.code,
+        )  # fmt: skip
+        return out
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, E] -> [R, vocab]
         model = self.model
         hidden = hidden.contiguous()
