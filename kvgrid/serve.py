@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvgrid.threads import worker_arrangement
 from services.common import config as cfg
 
 # Order of start-up and of the summary; shutdown runs in reverse (frontend first).
@@ -36,6 +37,7 @@ class Child:
     argv: list[str]
     grpc_addr: str
     process: subprocess.Popen | None = None
+    env: dict[str, str] | None = None  # added to serve's own environment
 
 
 def _say(text: str) -> None:
@@ -79,6 +81,13 @@ def build_children(config: cfg.Config) -> list[Child]:
     return [Child(name, service_argv(name, config), f"{host}:{ports[name]}") for name in SERVICE_ORDER]
 
 
+def arrange_worker_threads(config: cfg.Config, worker: Child) -> None:
+    """The worker's OpenMP arrangement for this machine (see kvgrid.threads), logged."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    worker.env, line = worker_arrangement(config.device.num_threads, cores, os.environ)
+    _say(line)
+
+
 def port_problems(net: cfg.NetworkConfig) -> list[str]:
     """One line per port that is 0 (serve must know its ports) or already taken on `net.host`."""
     problems = []
@@ -120,7 +129,8 @@ def _die_with_parent() -> None:
 
 def start(child: Child) -> None:
     # A new session: a terminal's Ctrl-C reaches serve only, which then stops the children in order.
-    child.process = subprocess.Popen(child.argv, start_new_session=True, preexec_fn=_die_with_parent)
+    env = {**os.environ, **child.env} if child.env else None
+    child.process = subprocess.Popen(child.argv, start_new_session=True, preexec_fn=_die_with_parent, env=env)
 
 
 def is_serving(addr: str) -> bool:
@@ -224,6 +234,7 @@ def main(config: cfg.Config) -> int:
         return 1
     config = child_config(config)
     children = build_children(config)
+    arrange_worker_threads(config, children[SERVICE_ORDER.index("worker")])
     signals = _Signals()
     _say(f"starting {', '.join(SERVICE_ORDER)} (pid {os.getpid()})")
     try:

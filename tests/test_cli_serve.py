@@ -159,3 +159,25 @@ def test_a_child_that_dies_after_ready_stops_the_others(signals, capsys, monkeyp
     assert code == 1
     assert "the worker was killed by signal SIGKILL; stopping the others" in capsys.readouterr().out
     assert all(c.process.poll() is not None for c in children)
+
+
+def test_worker_thread_arrangement():
+    from kvgrid.threads import worker_arrangement
+
+    env, line = worker_arrangement(0, 2, {})
+    assert env == {"GOMP_SPINCOUNT": "20000"} and "2 threads sharing 2 cores" in line
+    env, line = worker_arrangement(0, 2, {"OMP_WAIT_POLICY": "active"})
+    assert env == {} and "OMP_WAIT_POLICY=active" in line
+    env, line = worker_arrangement(4, 16, {})
+    assert env == {} and "4 threads on 16 cores" in line
+
+
+def test_serve_hands_the_worker_its_arrangement(monkeypatch, capsys):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda _pid: {0, 1})
+    config = serve.child_config(parse([]))
+    worker = serve.build_children(config)[0]
+    serve.arrange_worker_threads(config, worker)
+    assert worker.env == {"GOMP_SPINCOUNT": "20000"}
+    assert "kvgrid serve: worker: 2 threads sharing 2 cores" in capsys.readouterr().out

@@ -5,7 +5,7 @@
  * As ggml does: each row of x is quantized once per call to int8 blocks of 32 with one float
  * scale per block (d = max |x| / 127), then every (weight row, x row) pair takes integer dot
  * products per block, scaled by the two blocks' scales and summed in float32. q4_1's offset m
- * adds m * d_x * sum(q_x) per block; q4_0's -8 subtracts 8 * sum(q_x).
+ * adds m * d_x * sum(q_x) per block; q4_0's -8 adds -8 d * d_x * sum(q_x).
  *
  * Work is split across threads by groups of ROWS weight rows: a group is unpacked once into
  * int8 (nibbles to bytes) in a per-thread buffer and then used by every x row, so steps of many
@@ -67,7 +67,7 @@ static int block_bytes(int fmt) { return fmt == Q8_0 ? 34 : fmt == Q4_0 ? 18 : 2
 typedef struct {
     int8_t *q;    /* [M, nb * QB] */
     float *d;     /* [M, nb] */
-    int32_t *s;   /* [M, nb]: sum of q per block */
+    float *ds;    /* [M, nb]: d * (sum of q) per block, for the weights' per-block offsets */
     int64_t nb;
 } QRows;
 
@@ -76,8 +76,8 @@ static QRows quantize_rows(const void *x, int M, int64_t K, int dt) {
     r.nb = (K + QB - 1) / QB;
     r.q = calloc((size_t)M * r.nb * QB, 1);
     r.d = malloc(sizeof(float) * M * r.nb);
-    r.s = malloc(sizeof(int32_t) * M * r.nb);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+    r.ds = malloc(sizeof(float) * M * r.nb);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * r.nb > 512)
     for (int64_t mb = 0; mb < (int64_t)M * r.nb; mb++) {
         const int64_t m = mb / r.nb, b = mb % r.nb, k0 = b * QB, n = K - k0 < QB ? K - k0 : QB;
         float v[QB], amax = 0.0f;
@@ -93,7 +93,7 @@ static QRows quantize_rows(const void *x, int M, int64_t K, int dt) {
             r.q[mb * QB + j] = (int8_t)t;
             sum += (int32_t)t;
         }
-        r.d[mb] = d, r.s[mb] = sum;
+        r.d[mb] = d, r.ds[mb] = d * (float)sum;
     }
     return r;
 }
@@ -101,8 +101,9 @@ static QRows quantize_rows(const void *x, int M, int64_t K, int dt) {
 /* ---- the weights: one row unpacked to bytes ------------------------------------------------- */
 
 /*
- * Row n of the packed matrix into q (nb * QB bytes, zero past K) and per-block d and m.
- * int8: d = 1 (the channel scale is applied at the end), m = 0. q4: q holds the raw nibbles 0..15.
+ * Row n of the packed matrix into q (nb * QB bytes, zero past K), per-block scales d and offsets m:
+ * a block's weights are d q + m. int8: d = 1 (the channel scale comes at the end), m = 0. q4: q holds
+ * the raw nibbles 0..15, so q4_0's -8 d is an offset too.
  */
 static void unpack_row(const uint8_t *w, int64_t n, int64_t K, int64_t nb, int fmt, int8_t *q, float *d, float *m) {
     if (fmt == INT8) {
@@ -116,35 +117,48 @@ static void unpack_row(const uint8_t *w, int64_t n, int64_t K, int64_t nb, int f
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * bytes;
         d[b] = fp16_to_f32(blk);
-        m[b] = fmt == Q4_1 ? fp16_to_f32(blk + 2) : 0.0f;
+        m[b] = fmt == Q4_1 ? fp16_to_f32(blk + 2) : fmt == Q4_0 ? -8.0f * d[b] : 0.0f;
         int8_t *out = q + b * QB;
         if (fmt == Q8_0) {
             memcpy(out, blk + 2, QB);
             continue;
         }
         const uint8_t *nib = blk + (fmt == Q4_1 ? 4 : 2);
+#ifdef HAVE_X86 /* SSE2, in every x86-64: low halves to bytes 0-15, high halves to 16-31 */
+        const __m128i raw = _mm_loadu_si128((const __m128i *)nib), low4 = _mm_set1_epi8(15);
+        _mm_storeu_si128((__m128i *)out, _mm_and_si128(raw, low4));
+        _mm_storeu_si128((__m128i *)(out + QB / 2), _mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+#else
         for (int j = 0; j < QB / 2; j++) out[j] = (int8_t)(nib[j] & 15), out[j + QB / 2] = (int8_t)(nib[j] >> 4);
+#endif
     }
 }
 
 /* ---- one dot product over all blocks ---------------------------------------------------------- */
 
-/* sum_b wd[b] xd[b] (q_w . q_x)_b, the weights' q signed (int8, q8_0) or nibbles 0..15 (q4). */
-static float dot_scalar(const int8_t *wq, const float *wd, const int8_t *xq, const float *xd, int64_t nb) {
+/*
+ * sum_b wd[b] xd[b] (q_w . q_x)_b + wm[b] xds[b], the weights' q signed (int8, q8_0) or nibbles
+ * 0..15 (q4); wm is NULL for formats without offsets.
+ */
+static float dot_scalar(const int8_t *wq, const float *wd, const float *wm, const int8_t *xq, const float *xd,
+                        const float *xds, int64_t nb) {
     float acc = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         int32_t s = 0;
         for (int j = 0; j < QB; j++) s += (int32_t)wq[b * QB + j] * (int32_t)xq[b * QB + j];
         acc += (float)s * (wd[b] * xd[b]);
+        if (wm) acc += wm[b] * xds[b];
     }
     return acc;
 }
 
 #ifdef HAVE_X86
-__attribute__((target("avx2,fma"))) static float dot_avx2(const int8_t *wq, const float *wd, const int8_t *xq,
-                                                           const float *xd, int64_t nb, int is_unsigned) {
+__attribute__((target("avx2,fma"))) static float dot_avx2(const int8_t *wq, const float *wd, const float *wm,
+                                                           const int8_t *xq, const float *xd, const float *xds,
+                                                           int64_t nb, int is_unsigned) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
+    float offsets = 0.0f;
     for (int64_t b = 0; b < nb; b++) {
         const __m256i w = _mm256_loadu_si256((const __m256i *)(wq + b * QB));
         const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + b * QB));
@@ -154,16 +168,18 @@ __attribute__((target("avx2,fma"))) static float dot_avx2(const int8_t *wq, cons
                                         : _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
         const __m256i p32 = _mm256_madd_epi16(p16, ones);
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(wd[b] * xd[b]), acc);
+        if (wm) offsets += wm[b] * xds[b];
     }
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    return _mm_cvtss_f32(s) + offsets;
 }
 #else
-static float dot_avx2(const int8_t *wq, const float *wd, const int8_t *xq, const float *xd, int64_t nb, int u) {
+static float dot_avx2(const int8_t *wq, const float *wd, const float *wm, const int8_t *xq, const float *xd,
+                      const float *xds, int64_t nb, int u) {
     (void)u;
-    return dot_scalar(wq, wd, xq, xd, nb);
+    return dot_scalar(wq, wd, wm, xq, xd, xds, nb);
 }
 #endif
 
@@ -191,14 +207,12 @@ void kvq_linear(const void *x, const void *w, const float *scales, const void *b
             for (int m = 0; m < M; m++) {
                 const int8_t *xq = xr.q + (int64_t)m * nb * QB;
                 const float *xd = xr.d + (int64_t)m * nb;
-                const int32_t *xs = xr.s + (int64_t)m * nb;
+                const float *xds = xr.ds + (int64_t)m * nb;
                 for (int r = 0; r < rows; r++) {
                     const int8_t *q = wq + r * nb * QB;
-                    const float *d = wd + r * nb, *mm = wm + r * nb;
-                    float v = avx2 ? dot_avx2(q, d, xq, xd, nb, is_unsigned) : dot_scalar(q, d, xq, xd, nb);
-                    if (is_unsigned) /* q4_0: w = d (q - 8); q4_1: w = d q + m */
-                        for (int64_t b = 0; b < nb; b++)
-                            v += xd[b] * (float)xs[b] * (fmt == Q4_1 ? mm[b] : -8.0f * d[b]);
+                    const float *d = wd + r * nb, *mm = is_unsigned ? wm + r * nb : NULL;
+                    float v = avx2 ? dot_avx2(q, d, mm, xq, xd, xds, nb, is_unsigned)
+                                   : dot_scalar(q, d, mm, xq, xd, xds, nb);
                     const int64_t n = n0 + r, at = (int64_t)m * ldy + n;
                     if (fmt == INT8) v *= scales[n];
                     if (bias) v += load1(bias, n, dt);
@@ -209,7 +223,7 @@ void kvq_linear(const void *x, const void *w, const float *scales, const void *b
         }
         free(wq), free(wd), free(wm);
     }
-    free(xr.q), free(xr.d), free(xr.s);
+    free(xr.q), free(xr.d), free(xr.ds);
 }
 
 /* out[i, :] = row index[i] of W as float32 (an embedding lookup, or a whole matrix for a GEMM). */
@@ -224,9 +238,8 @@ void kvq_dequantize_rows(const void *w, const float *scales, const int64_t *inde
         for (int64_t i = 0; i < count; i++) {
             const int64_t n = index ? index[i] : i;
             unpack_row(w, n, K, nb, fmt, q, d, m);
-            const float offset = fmt == Q4_0 ? -8.0f : 0.0f, scale = fmt == INT8 ? scales[n] : 1.0f;
-            for (int64_t k = 0; k < K; k++)
-                out[i * K + k] = ((float)q[k] + offset) * d[k / QB] * scale + m[k / QB];
+            const float scale = fmt == INT8 ? scales[n] : 1.0f;
+            for (int64_t k = 0; k < K; k++) out[i * K + k] = (float)q[k] * d[k / QB] * scale + m[k / QB];
         }
         free(q), free(d), free(m);
     }

@@ -17,7 +17,7 @@ from .formats import FORMAT_CODES, PackedWeight, dequantize
 
 # Rows from which a float32 GEMM over a per-call dequantized copy beats the integer kernel.
 # Measured with benchmarks/quant_bench.py on a 2-core AVX2 CPU (see its docstring).
-DEQUANTIZE_ROWS = 128
+DEQUANTIZE_ROWS = 64
 
 
 def _native():
