@@ -64,10 +64,11 @@ def main() -> None:
                 x = torch.randn(rows, k)
                 out = torch.empty(rows, n)
                 repeat = max(2, min(50, 2000 // rows))
-                sides = {"float32": lambda x=x: F.linear(x, weight)}
+                sides = {"float32": lambda x=x, w=weight: F.linear(x, w)}
                 for fmt, p in packed.items():
                     sides[fmt] = lambda p=p, x=x, out=out: linear_into(x, p, None, out)
-                sides["q4_1 dequantized+GEMM"] = lambda x=x: F.linear(x, dequantize_rows(packed["q4_1"]))
+                q41 = packed["q4_1"]
+                sides["q4_1 dequantized+GEMM"] = lambda x=x, p=q41: F.linear(x, dequantize_rows(p))
                 for side, fn in sides.items():
                     samples.setdefault((name, rows, side), []).append(timed(fn, repeat))
     results = []
