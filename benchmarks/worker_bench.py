@@ -10,9 +10,10 @@ minus the time for 1 (the prefill and the first token). Both load the default Sm
 Hugging Face reads the GGUF with its own reader (in transformers 5 it may keep the weights packed
 and dequantize inside its matmuls). On a CPU without bfloat16 units kvgrid multiplies bf16 weights
 in float32 (see ``services.worker.models.llama.Linear``); ``--dtype auto`` picks float32 there.
-Decode steps of up to ``MAX_SEQS`` requests take the native CPU kernels (``--cpu-kernels``,
-``services.worker.models.llama_cpu``); for those batch sizes the torch path is measured too.
-Prints a markdown table and writes JSON to ``benchmarks/results/worker_bench_<dtype>.json``.
+Decode steps take the native CPU kernels (``--cpu-kernels``, ``services.worker.models.llama_cpu``);
+the torch path is measured too. ``--quantization int8|gguf`` runs kvgrid on packed weights
+(HF stays float).
+Prints a markdown table and writes JSON to ``benchmarks/results/worker_bench_<dtype>_<quantization>.json``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from services.worker.engine import create_runner, load_model  # noqa: E402
 from services.worker.sampling_params import RequestSampling  # noqa: E402
 from services.worker.state import RequestState  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "worker_bench_{dtype}.json")
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "worker_bench_{dtype}_{quantization}.json")
 BLOCK_SIZE = 16
 
 
@@ -104,6 +105,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each side, interleaved; medians")
     parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "native", "torch"])
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "gguf"])
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -111,7 +113,12 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
 
     loaded = load_model(
-        default_model_path(), dtype=args.dtype, device="cpu", attention_backend="torch", cpu_kernels=args.cpu_kernels
+        default_model_path(),
+        dtype=args.dtype,
+        device="cpu",
+        attention_backend="torch",
+        cpu_kernels=args.cpu_kernels,
+        quantization=args.quantization,
     )
     vocab = loaded.args.vocab_size
     blocks = max(batches) * -(-(args.prompt_len + args.steps + 1) // BLOCK_SIZE)
@@ -131,7 +138,7 @@ def main() -> None:
         for b in batches:
             loaded.model.set_cpu_decode(native)
             samples.setdefault(("kvgrid", b), []).append(kvgrid_decode(runner, b, args.prompt_len, args.steps, vocab))
-            if native is not None and b <= native.max_seqs:
+            if native is not None:
                 loaded.model.set_cpu_decode(None)
                 rate = kvgrid_decode(runner, b, args.prompt_len, args.steps, vocab)
                 samples.setdefault(("kvgrid_torch_path", b), []).append(rate)
@@ -153,13 +160,14 @@ def main() -> None:
         cells = [f"{ours:.1f}"] + [f"{v:.1f}" if v else "-" for v in (torch_path, theirs)]
         cells.append(f"{ratio:.2f}x" if ratio else "-")
         print(f"| {b} | " + " | ".join(cells) + " |")
-    results = RESULTS.format(dtype=args.dtype)
+    results = RESULTS.format(dtype=args.dtype, quantization=args.quantization)
     os.makedirs(os.path.dirname(results), exist_ok=True)
     with open(results, "w") as f:
         json.dump(
             {
                 "benchmark": "worker_decode",
-                "model": "SmolLM2-135M-Instruct Q4_1 GGUF (dequantized)",
+                "model": "SmolLM2-135M-Instruct Q4_1 GGUF",
+                "quantization": args.quantization,
                 "dtype": args.dtype,
                 "threads": args.threads,
                 "prompt_len": args.prompt_len,
