@@ -92,7 +92,8 @@ INLINE float dot_row(const float *x, const void *w, int64_t n, int64_t K, int dt
 INLINE void linear_impl(const float *xf, const void *w, const void *bias, void *y, int64_t ldy, int M, int64_t N,
                         int64_t K, int dt, int accumulate) {
     const int64_t groups = (N + ROWS - 1) / ROWS;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+    /* Handed out in chunks: a thread that loses its core to another process holds up one chunk only. */
+#pragma omp parallel for schedule(dynamic, 8) num_threads(num_threads)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t n0 = g * ROWS;
         const int rows = N - n0 < ROWS ? (int)(N - n0) : ROWS;
