@@ -25,7 +25,12 @@ import os
 import platform
 import tempfile
 
+from kvgrid.threads import worker_arrangement
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The worker-alone side runs in this process: the same OpenMP arrangement `kvgrid serve` gives its
+# worker, set before torch loads libgomp (which reads it once).
+os.environ.update(worker_arrangement(0, len(os.sched_getaffinity(0)), os.environ)[0])
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
