@@ -19,6 +19,11 @@ BENCHMARKS = [
     ["benchmarks.worker_bench", "--dtype", "bfloat16"],
     ["benchmarks.worker_bench", "--dtype", "float32"],
     ["benchmarks.offline_bench"],
+    ["benchmarks.worker_bench", "--dtype", "float32", "--quantization", "gguf"],
+    ["benchmarks.quant_bench"],
+    ["benchmarks.serving_bench"],
+    ["benchmarks.serving_bench", "--quantization", "int8", "--mixed-requests", "0"],
+    ["benchmarks.serving_bench", "--quantization", "gguf", "--mixed-requests", "0"],
     ["benchmarks.attention_bench"],  # CUDA only; says so and exits 0 elsewhere
 ]
 

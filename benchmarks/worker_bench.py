@@ -13,9 +13,11 @@ kvgrid step ends with the sampled ids on the host, so its timing needs no extra 
 Hugging Face reads the GGUF with its own reader (in transformers 5 it may keep the weights packed
 and dequantize inside its matmuls). On a CPU without bfloat16 units kvgrid multiplies bf16 weights
 in float32 (see ``services.worker.models.llama.Linear``); ``--dtype auto`` picks float32 there.
-Decode steps of up to ``MAX_SEQS`` requests take the native CPU kernels (``--cpu-kernels``,
-``services.worker.models.llama_cpu``); for those batch sizes the torch path is measured too.
-Prints a markdown table and writes JSON to ``benchmarks/results/worker_bench_<device>_<dtype>.json``.
+Decode steps take the native CPU kernels (``--cpu-kernels``, ``services.worker.models.llama_cpu``);
+the torch path is measured too. ``--quantization int8|gguf`` runs kvgrid on packed weights
+(HF stays float).
+Prints a markdown table and writes JSON to
+``benchmarks/results/worker_bench_<device>_<dtype>_<quantization>.json``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from services.worker.engine import create_runner, load_model  # noqa: E402
 from services.worker.sampling_params import RequestSampling  # noqa: E402
 from services.worker.state import RequestState  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "worker_bench_{device}_{dtype}.json")
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "worker_bench_{device}_{dtype}_{quantization}.json")
 BLOCK_SIZE = 16
 
 
@@ -111,6 +113,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each side, interleaved; medians")
     parser.add_argument("--cpu-kernels", default="auto", choices=["auto", "native", "torch"])
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "gguf"])
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--model", default="", help="HF directory or GGUF file (default: the embedded SmolLM2)")
@@ -127,6 +130,7 @@ def main() -> None:
         device=args.device,
         attention_backend="auto" if cuda else "torch",
         cpu_kernels=args.cpu_kernels,
+        quantization=args.quantization,
     )
     vocab = loaded.args.vocab_size
     blocks = max(batches) * -(-(args.prompt_len + args.steps + 1) // BLOCK_SIZE)
@@ -153,10 +157,10 @@ def main() -> None:
     samples: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
         for b in batches:
-            loaded.model.cpu_decode = native
+            loaded.model.set_cpu_decode(native)
             samples.setdefault(("kvgrid", b), []).append(kvgrid_decode(runner, b, args.prompt_len, args.steps, vocab))
-            if native is not None and b <= native.max_seqs:
-                loaded.model.cpu_decode = None
+            if native is not None:
+                loaded.model.set_cpu_decode(None)
                 rate = kvgrid_decode(runner, b, args.prompt_len, args.steps, vocab)
                 samples.setdefault(("kvgrid_torch_path", b), []).append(rate)
             if graphs is not None:
@@ -166,7 +170,7 @@ def main() -> None:
                 runner.graphs = graphs
             if hf is not None:
                 samples.setdefault(("hf", b), []).append(hf_decode(hf, b, args.prompt_len, args.steps, vocab))
-    loaded.model.cpu_decode = native
+    loaded.model.set_cpu_decode(native)
     median = {key: statistics.median(values) for key, values in samples.items()}
 
     rows = []
@@ -188,14 +192,15 @@ def main() -> None:
         cells = [f"{ours:.1f}"] + [f"{v:.1f}" if v else "-" for v in (torch_path, theirs)]
         cells.append(f"{ratio:.2f}x" if ratio else "-")
         print(f"| {b} | " + " | ".join(cells) + " |")
-    results = RESULTS.format(device=args.device, dtype=args.dtype)
+    results = RESULTS.format(device=args.device, dtype=args.dtype, quantization=args.quantization)
     os.makedirs(os.path.dirname(results), exist_ok=True)
     with open(results, "w") as f:
         json.dump(
             {
                 "benchmark": "worker_decode",
-                "model": args.model or "SmolLM2-135M-Instruct Q4_1 GGUF (dequantized)",
+                "model": args.model or "SmolLM2-135M-Instruct Q4_1 GGUF",
                 "device": where,
+                "quantization": args.quantization,
                 "dtype": args.dtype,
                 "threads": args.threads,
                 "prompt_len": args.prompt_len,

@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgrid.restarts import RestartPolicy
+from kvgrid.threads import worker_arrangement
 from services.common import config as cfg
 
 # Order of start-up and of the summary; shutdown runs in reverse (frontend first).
@@ -45,6 +46,7 @@ class Child:
     restarts: RestartPolicy = field(default_factory=RestartPolicy)
     # When a crashed child is due to start again (monotonic seconds); None while it runs.
     restart_at: float | None = None
+    env: dict[str, str] | None = None  # added to serve's own environment
 
 
 def _say(text: str) -> None:
@@ -88,6 +90,13 @@ def build_children(config: cfg.Config) -> list[Child]:
     return [Child(name, service_argv(name, config), f"{host}:{ports[name]}") for name in SERVICE_ORDER]
 
 
+def arrange_worker_threads(config: cfg.Config, worker: Child) -> None:
+    """The worker's OpenMP arrangement for this machine (see kvgrid.threads), logged."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    worker.env, line = worker_arrangement(config.device.num_threads, cores, os.environ)
+    _say(line)
+
+
 def port_problems(net: cfg.NetworkConfig) -> list[str]:
     """One line per port that is 0 (serve must know its ports) or already taken on `net.host`."""
     problems = []
@@ -129,7 +138,8 @@ def _die_with_parent() -> None:
 
 def start(child: Child) -> None:
     # A new session: a terminal's Ctrl-C reaches serve only, which then stops the children in order.
-    child.process = subprocess.Popen(child.argv, start_new_session=True, preexec_fn=_die_with_parent)
+    env = {**os.environ, **child.env} if child.env else None
+    child.process = subprocess.Popen(child.argv, start_new_session=True, preexec_fn=_die_with_parent, env=env)
 
 
 def is_serving(addr: str) -> bool:
@@ -257,6 +267,7 @@ def main(config: cfg.Config) -> int:
         return 1
     config = child_config(config)
     children = build_children(config)
+    arrange_worker_threads(config, children[SERVICE_ORDER.index("worker")])
     signals = _Signals()
     _say(f"starting {', '.join(SERVICE_ORDER)} (pid {os.getpid()})")
     try:

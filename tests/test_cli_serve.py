@@ -206,3 +206,25 @@ def test_restart_backoff_doubles_and_too_many_crashes_in_the_window_give_up():
     assert policy.crashed(3) is None  # the 4th within 60 s
     policy = RestartPolicy(first_backoff=1, max_backoff=4, max_crashes=3, window=60)
     assert [policy.crashed(t) for t in (0, 100, 200, 300)] == [1, 1, 1, 1]  # spread out: never more than one
+
+
+def test_worker_thread_arrangement():
+    from kvgrid.threads import worker_arrangement
+
+    env, line = worker_arrangement(0, 2, {})
+    assert env == {"GOMP_SPINCOUNT": "20000"} and "2 threads sharing 2 cores" in line
+    env, line = worker_arrangement(0, 2, {"OMP_WAIT_POLICY": "active"})
+    assert env == {} and "OMP_WAIT_POLICY=active" in line
+    env, line = worker_arrangement(4, 16, {})
+    assert env == {} and "4 threads on 16 cores" in line
+
+
+def test_serve_hands_the_worker_its_arrangement(monkeypatch, capsys):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda _pid: {0, 1})
+    config = serve.child_config(parse([]))
+    worker = serve.build_children(config)[0]
+    serve.arrange_worker_threads(config, worker)
+    assert worker.env == {"GOMP_SPINCOUNT": "20000"}
+    assert "kvgrid serve: worker: 2 threads sharing 2 cores" in capsys.readouterr().out

@@ -77,6 +77,11 @@ class ModelConfig:
 @dataclass(slots=True)
 class LoadConfig:
     load_format: str = _opt("auto", "weight file format", ("auto", "safetensors", "gguf"))
+    quantization: str = _opt(
+        "none",
+        "CPU weights: none (as loaded), int8 (per-channel, quantized at load) or gguf (a GGUF file's q4/q8 blocks)",
+        ("none", "int8", "gguf"),
+    )
 
     def validate(self) -> list[str]:
         return []
@@ -90,7 +95,7 @@ class DeviceConfig:
     )
     cpu_kernels: str = _opt(
         "auto",
-        "small CPU decode steps through native C kernels (auto: where a C compiler and AVX2 are present)",
+        "CPU decode steps through native C kernels (auto: where a C compiler and AVX2 are present)",
         ("auto", "native", "torch"),
     )
     num_threads: int = _opt(0, "CPU threads for the worker's math (0: all cores)")

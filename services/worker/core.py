@@ -66,6 +66,7 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         attention_backend=config.device.attention_backend,
         cpu_kernels=config.device.cpu_kernels,
         load_format=config.load.load_format,
+        quantization=config.load.quantization,
     )
     tokenizer = load_tokenizer(loaded.source)
     max_len = max_model_len(loaded.args, loaded.hf_config, config.model.max_model_len)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .attention import get_backend
+from .cpu_features import detect as detect_cpu
 from .cpu_kernels.library import NativeKernelsUnavailable
 from .cpu_kernels.library import load as load_native_kernels
 from .gguf_cache import cached_source
@@ -22,6 +23,7 @@ from .memory import MemoryFigures, bytes_per_block, check_fits, cpu_figures, cud
 from .model_runner import ModelRunner, profile_cache_blocks
 from .models.llama import LlamaArgs, LlamaForCausalLM
 from .models.llama_cpu import CpuDecodePath
+from .quant.install import packed_bytes
 from .sampling import Sampler
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ class LoadedModel:
 
     @property
     def weights_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + packed_bytes(self.model)
 
     def block_bytes(self, block_size: int) -> int:
         a = self.args
@@ -61,23 +63,13 @@ def resolve_device(name: str) -> torch.device:
     )
 
 
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """AVX512-BF16 or AMX: without them bfloat16 matmuls are emulated and slower than float32."""
-    try:
-        with open(cpuinfo) as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: bfloat16 where the hardware computes in it, else float16 (older GPUs) or float32 (CPU)."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    return torch.bfloat16 if detect_cpu().bf16_units else torch.float32
 
 
 def load_model(
@@ -89,54 +81,71 @@ def load_model(
     load_format: str = "auto",
     upcast_matmuls: bool | None = None,
     cpu_kernels: str = "auto",
+    quantization: str = "none",
 ) -> LoadedModel:
     """Raises ModelLoadError (one line) for a bad path, architecture or file.
 
     ``upcast_matmuls`` (None: auto) multiplies half-precision weights in float32, which is what a
     CPU without bfloat16 units should do (see ``models.llama.Linear``). ``cpu_kernels``: see
-    ``attach_cpu_kernels``."""
+    ``attach_cpu_kernels``. ``quantization``: none, int8 or gguf (see ``quant/``), CPU only."""
     started = time.perf_counter()
     source = cached_source(resolve_source(model_path, load_format))
     torch_device = resolve_device(device)
     free_at_start = torch.cuda.mem_get_info(torch_device)[0] if torch_device.type == "cuda" else None
     torch_dtype = resolve_dtype(dtype, torch_device)
+    check_quantization(quantization, source, torch_device)
     hf_config, args = read_config(source)
     try:
         backend = get_backend(attention_backend, str(torch_device))
     except (RuntimeError, ValueError, ImportError) as exc:  # e.g. TritonUnavailable: triton on a CPU
         raise ModelLoadError(f"--attention-backend {attention_backend}: {exc}") from exc
-    model = build_model(source, hf_config, args, backend, torch_dtype, torch_device)
+    model = build_model(source, hf_config, args, backend, torch_dtype, torch_device, quantization)
     if upcast_matmuls is None:
-        upcast_matmuls = torch_device.type == "cpu" and torch_dtype != torch.float32 and not cpu_has_native_bf16()
+        upcast_matmuls = torch_device.type == "cpu" and torch_dtype != torch.float32 and not detect_cpu().bf16_units
     if upcast_matmuls:
         log.info("%s weights are multiplied in float32: this CPU has no bfloat16 units", torch_dtype)
     model.set_upcast_matmuls(upcast_matmuls)
     attach_cpu_kernels(model, cpu_kernels, torch_device, backend.name)
+    if torch_device.type == "cpu":
+        cpu = detect_cpu()
+        log.info("CPU: %s; %s", cpu.describe(), cpu.fast_path(str(torch_dtype).removeprefix("torch."), quantization))
     seconds = time.perf_counter() - started
     log.info("loaded %s (%s, %s on %s) in %.1fs", model_path, args.architecture, torch_dtype, torch_device, seconds)
     return LoadedModel(source, hf_config, args, model, torch_dtype, torch_device, seconds, free_at_start)
 
 
+def check_quantization(quantization: str, source: ModelSource, device: torch.device) -> None:
+    if quantization == "none":
+        return
+    if device.type != "cpu":
+        raise ModelLoadError(f"--quantization {quantization} runs on CPU; use --quantization none on {device}")
+    if quantization == "gguf" and source.format != "gguf":
+        raise ModelLoadError(
+            f"--quantization gguf keeps a GGUF file's blocks, but {source.path!r} is a {source.format} model;"
+            " use --quantization int8"
+        )
+
+
 def attach_cpu_kernels(model: LlamaForCausalLM, choice: str, device: torch.device, backend: str) -> None:
-    """Small decode steps through the native C kernels (``models.llama_cpu``) on CPU.
+    """Decode steps through the native C kernels (``models.llama_cpu``) on CPU.
 
     ``auto`` uses them where they build and apply (x86-64 with AVX2 and FMA, a C compiler,
     float32 or bfloat16, the torch attention backend) and otherwise says why in the log;
     ``native`` refuses to start without them; ``torch`` never uses them."""
-    model.cpu_decode = None
+    model.set_cpu_decode(None)
     if choice == "torch":
         return
     try:
         if device.type != "cpu" or backend != "torch":
             raise NativeKernelsUnavailable(f"they run on CPU with the torch attention backend, not {device}/{backend}")
-        model.cpu_decode = CpuDecodePath(model, load_native_kernels())
+        model.set_cpu_decode(CpuDecodePath(model, load_native_kernels()))
     except (NativeKernelsUnavailable, ValueError) as exc:
         if choice == "native":
             raise ModelLoadError(f"--cpu-kernels native: {exc}") from exc
         if device.type == "cpu":
-            log.info("small decode steps run in torch: native CPU kernels unavailable (%s)", exc)
+            log.info("decode steps run in torch: native CPU kernels unavailable (%s)", exc)
         return
-    log.info("small decode steps (up to %d requests) run on the native CPU kernels", model.cpu_decode.max_seqs)
+    log.info("decode steps run on the native CPU kernels (paged attention over the block tables at any batch size)")
 
 
 def max_model_len(args: LlamaArgs, hf_config: Any, configured: int) -> int:

@@ -20,6 +20,7 @@ import torch
 from .attention.base import AttentionBackend
 from .models.llama import ARCHITECTURES, LlamaArgs, LlamaForCausalLM
 from .models.rope import RopeError, inverse_frequencies
+from .quant.load import quantize_loaded, quantized_weights
 
 log = logging.getLogger(__name__)
 
@@ -110,14 +111,21 @@ def iter_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, tor
 
 
 def build_model(
-    source: ModelSource, hf_config: Any, args: LlamaArgs, backend: AttentionBackend, dtype: torch.dtype, device
+    source: ModelSource,
+    hf_config: Any,
+    args: LlamaArgs,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
         model = LlamaForCausalLM(args, backend).to(dtype)
     model.to_empty(device=device)
     try:
         with torch.no_grad():
-            model.load_weights(iter_weights(source, hf_config))
+            model.load_weights(quantized_weights(source, args, quantization) or iter_weights(source, hf_config))
+            quantize_loaded(model, quantization)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the weights of {source.path!r}: {_one_line(exc)}") from exc
     model.init_rope()

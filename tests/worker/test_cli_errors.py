@@ -63,3 +63,9 @@ def test_triton_backend_on_cpu_is_refused_in_one_line():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env_without_interpreter)
     line = _one_error_line(proc)
     assert "--attention-backend triton" in line and "--attention-backend torch" in line
+
+
+def test_gguf_quantization_of_a_safetensors_model_is_refused(tmp_path):
+    path = save_tiny_model(str(tmp_path / "tiny"), "llama")
+    line = _one_error_line(_run_worker("--model", path, "--quantization", "gguf"))
+    assert "--quantization gguf" in line and "--quantization int8" in line

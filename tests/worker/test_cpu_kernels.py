@@ -13,6 +13,7 @@ from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.cpu_kernels import library
 from services.worker.engine import create_runner, load_model
 from services.worker.loader import ModelLoadError
+from services.worker.models.llama_cpu import NATIVE_ROWS
 from services.worker.models.rope import apply_rotary, cos_sin_tables
 from tests.worker.tiny import request, run_logits, save_tiny_model
 
@@ -136,21 +137,26 @@ def test_decode_attention_equals_torch_backend(lib, dtype, heads, kv_heads, head
 
 
 @pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {"tie_word_embeddings": True})])
-def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides):
-    """Prefill in torch, then decode steps of three requests: native logits == torch logits, step by step."""
+@pytest.mark.parametrize("num_requests", [3, 20])
+def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, num_requests):
+    """Prefill in torch, then decode steps: native logits == torch logits, step by step.
+
+    20 requests take torch's GEMM for the matmuls (past NATIVE_ROWS) around native attention."""
     dt, _ = dtype
     path = save_tiny_model(str(tmp_path), kind, **overrides)
     loaded = load_model(path, dtype=str(dt).removeprefix("torch."), device="cpu", attention_backend="torch")
     native = loaded.model.cpu_decode
     assert native is not None, "auto should attach the native kernels on an AVX2 CPU with a C compiler"
-    runner = create_runner(loaded, block_size=4, num_blocks=48)
+    num_blocks = 6 * num_requests
+    runner = create_runner(loaded, block_size=4, num_blocks=num_blocks)
     g = torch.Generator().manual_seed(12)
-    lengths, blocks = [3, 9, 14], [list(range(i, 48, 3)) for i in range(3)]  # interleaved blocks
+    lengths = [3 + (5 * i) % 12 for i in range(num_requests)]
+    blocks = [list(range(i, num_blocks, num_requests)) for i in range(num_requests)]  # interleaved blocks
     requests = [
         request(f"r{i}", torch.randint(0, 160, (n,), generator=g).tolist(), blocks[i], 0, n)
         for i, n in enumerate(lengths)
     ]
-    loaded.model.cpu_decode = None
+    loaded.model.set_cpu_decode(None)
     run_logits(runner, requests)  # prefill on the torch path
     for _step in range(6):
         for r in requests:
@@ -158,17 +164,43 @@ def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides):
             r.num_scheduled_tokens = 1
         inputs = runner.prepare(requests)
         with torch.inference_mode():
-            loaded.model.cpu_decode = None
+            loaded.model.set_cpu_decode(None)
             expected = runner.compute_logits(inputs)
-            loaded.model.cpu_decode = native  # rewrites the same cache slots with the same values
+            loaded.model.set_cpu_decode(native)  # rewrites the same cache slots with the same values
             ours = runner.compute_logits(inputs)
-        assert ours.dtype == dt
+        if num_requests <= NATIVE_ROWS:  # the native GEMV's logits are in the model dtype
+            assert ours.dtype == dt
         torch.testing.assert_close(ours.float(), expected.float(), **TOLERANCE[dt])
         if dt == torch.float32:  # bf16 logits of a random tiny model tie within rounding
             assert torch.equal(ours.argmax(-1), expected.argmax(-1))
         for r in requests:
             r.num_computed_tokens += 1
             r.num_scheduled_tokens = 0
+
+
+def test_mixed_step_decodes_take_native_attention(tmp_path):
+    """A step of decodes plus a prefill chunk: the decodes' attention reads the block tables natively."""
+    loaded = load_model(save_tiny_model(str(tmp_path)), dtype="float32", device="cpu", attention_backend="torch")
+    native = loaded.model.cpu_decode
+    runner = create_runner(loaded, block_size=4, num_blocks=40)
+    g = torch.Generator().manual_seed(13)
+    requests = [request(f"r{i}", torch.randint(0, 160, (5 + 3 * i,), generator=g).tolist(),
+                        list(range(i, 40, 4)), 0, 5 + 3 * i) for i in range(4)]  # fmt: skip
+    run_logits(runner, requests[:3])  # three prompts done; the fourth arrives with the next step
+    for r in requests[:3]:
+        r.token_ids.append(int(torch.randint(0, 160, (1,), generator=g)))
+        r.num_scheduled_tokens = 1
+    inputs = runner.prepare(requests)
+    assert inputs.meta.query_lens_cpu == [1, 1, 1, 14]
+    calls = []
+    backend = loaded.model.layers[0].self_attn.backend
+    backend.native_decode = lambda *args: calls.append(args[4]) or native.attention(*args)
+    with torch.inference_mode():
+        ours = runner.compute_logits(inputs)
+        loaded.model.set_cpu_decode(None)
+        expected = runner.compute_logits(inputs)
+    assert calls == [3] * loaded.args.num_layers
+    torch.testing.assert_close(ours, expected, **TOLERANCE[torch.float32])
 
 
 def test_engine_choice(tmp_path, monkeypatch, caplog):

@@ -5,10 +5,13 @@ blocks in one indexing op and runs one SDPA call with a length mask, the query h
 each KV group standing in for the query length. Requests with several new tokens (prefill
 chunks) run one SDPA call each over their own blocks; there are few of them per step.
 The runner puts decodes first, so a mixed step takes the batched path for all its decodes.
+On CPU with the native kernels, ``native_decode`` (set by the engine) takes those decodes
+instead: paged attention straight over the block tables, with no gather of whole contexts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +27,8 @@ class TorchAttentionBackend(AttentionBackend):
         # The decode plan depends only on the step's metadata: built by the first layer, reused by the others.
         self._plan_for: AttentionMetadata | None = None
         self._plan: _DecodePlan | None = None
+        # (query [B, H, D], k_cache, v_cache, meta, B, scale) -> [B, H, D] for the first B requests (decodes).
+        self.native_decode: Callable | None = None
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> None:
         num_kv_heads, head_dim = k_cache.shape[-2:]
@@ -31,14 +36,16 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self._plan_for is not meta:
-            self._plan, self._plan_for = _DecodePlan.build(meta, k_cache.shape[1], query.dtype), meta
+        gather = self.native_decode is None
+        if self._plan_for is not meta or self._plan.gathered != gather:
+            self._plan_for = meta
+            self._plan = _DecodePlan.build(meta, k_cache.shape[1], query.dtype, gather)
         plan = self._plan
         if plan.num_seqs == meta.num_seqs:
-            return _decode(query, k_cache, v_cache, plan, scale)
+            return self._decodes(query, k_cache, v_cache, meta, scale)
         out = torch.empty_like(query)
         if plan.num_seqs:
-            out[: plan.num_seqs] = _decode(query[: plan.num_seqs], k_cache, v_cache, plan, scale)
+            out[: plan.num_seqs] = self._decodes(query[: plan.num_seqs], k_cache, v_cache, meta, scale)
         block_size = k_cache.shape[1]
         start = plan.num_seqs
         for i in range(plan.num_seqs, meta.num_seqs):
@@ -50,6 +57,12 @@ class TorchAttentionBackend(AttentionBackend):
             start += q_len
         return out
 
+    def _decodes(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """The leading run of decode requests: [B, H, D] -> [B, H, D]."""
+        if self.native_decode is not None:
+            return self.native_decode(query, k_cache, v_cache, meta, self._plan.num_seqs, scale)
+        return _decode(query, k_cache, v_cache, self._plan, scale)
+
 
 @dataclass(slots=True)
 class _DecodePlan:
@@ -60,16 +73,18 @@ class _DecodePlan:
     # [B, 1, 1, M * block_size] additive, 0 inside the sequence and -inf past it: SDPA on CPU turns a
     # bool mask into this form on every call (twice the cost of the attention itself at batch 1).
     mask: torch.Tensor
+    gathered: bool = True  # False: only num_seqs is set (native_decode reads the block tables itself)
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _DecodePlan:
+    def build(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype, gather: bool = True) -> _DecodePlan:
+        """``gather``: False counts the decodes only (a native kernel reads the block tables itself)."""
         num_seqs = 0
         for q_len in meta.query_lens_cpu:
             if q_len != 1:
                 break
             num_seqs += 1
-        if num_seqs == 0:
-            return cls(0, meta.slot_mapping[:0], meta.slot_mapping[:0].to(dtype))
+        if num_seqs == 0 or not gather:
+            return cls(num_seqs, meta.slot_mapping[:0], meta.slot_mapping[:0].to(dtype), gather)
         max_blocks = -(-max(meta.seq_lens_cpu[:num_seqs]) // block_size)
         block_ids = meta.block_tables[:num_seqs, :max_blocks].reshape(-1).long()
         positions = torch.arange(max_blocks * block_size, device=block_ids.device)

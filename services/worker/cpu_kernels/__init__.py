@@ -1,1 +1,1 @@
-"""Native CPU kernels for small decode steps (AVX2 + FMA), built from C at first use."""
+"""Native CPU kernels, built from C at first use: float decode steps (AVX2 + FMA) and quantized linears."""

@@ -12,52 +12,19 @@
  * model dtype is rounded to that dtype here at the same point (bfloat16: round to nearest
  * even); everything in between is float32. Only summation order differs.
  *
- * dtype codes: 0 float32, 1 bfloat16. OpenMP is the process's runtime, torch's (same soname);
+ * dtype codes: see scalar.h. OpenMP is the process's runtime, torch's (same soname);
  * the thread count is set through kvg_set_num_threads, because an OpenMP thread count set with
  * omp_set_num_threads holds only for the thread that set it, and steps run on another one.
  */
 #include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-enum { F32 = 0, BF16 = 1 };
+#include "scalar.h"
 
 static int num_threads = 1;
 
 void kvg_set_num_threads(int n) { num_threads = n > 0 ? n : 1; }
-
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-INLINE uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-INLINE float load1(const void *p, int64_t i, int dt) {
-    return dt == BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-INLINE void store1(void *p, int64_t i, float v, int dt) {
-    if (dt == BF16)
-        ((uint16_t *)p)[i] = f32_to_bf16(v);
-    else
-        ((float *)p)[i] = v;
-}
-
-/* The value a tensor of dtype dt would hold. */
-INLINE float round_to(float v, int dt) { return dt == BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
 INLINE __m256 load8(const void *p, int64_t i, int dt) {
     if (dt == BF16) {
@@ -125,7 +92,8 @@ INLINE float dot_row(const float *x, const void *w, int64_t n, int64_t K, int dt
 INLINE void linear_impl(const float *xf, const void *w, const void *bias, void *y, int64_t ldy, int M, int64_t N,
                         int64_t K, int dt, int accumulate) {
     const int64_t groups = (N + ROWS - 1) / ROWS;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+    /* Handed out in chunks: a thread that loses its core to another process holds up one chunk only. */
+#pragma omp parallel for schedule(dynamic, 8) num_threads(num_threads)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t n0 = g * ROWS;
         const int rows = N - n0 < ROWS ? (int)(N - n0) : ROWS;

@@ -1,11 +1,16 @@
-"""Builds ``decode_kernels.c`` once per source version and CPU, and loads it with ctypes.
+"""Builds the native CPU kernels once per source version, and loads them with ctypes.
 
-The shared library lands in ``$KVGRID_CACHE_DIR/native`` (default ``~/.cache/kvgrid/native``),
-named by a hash of the source and flags; later starts load it without compiling. It needs a C
-compiler (``$CC``, else ``cc``) and an x86-64 CPU with AVX2 and FMA: without them ``load`` raises
-``NativeKernelsUnavailable`` with the reason, and the worker keeps its torch path.
-It links OpenMP by soname, so once torch is imported it shares torch's runtime; callers pass
-``torch.get_num_threads()`` through ``kvg_set_num_threads`` before each step.
+Two shared libraries, each from its C file (plus the shared ``scalar.h``):
+- ``decode_kernels.c``: the float32/bfloat16 decode-step kernels, compiled for AVX2 and FMA;
+  ``load`` raises ``NativeKernelsUnavailable`` on CPUs without them.
+- ``quant_kernels.c``: the quantized linear (``--quantization``), compiled for any x86-64 or
+  other CPU, with an AVX2 inner loop chosen at run time; ``load_quant``.
+
+A library lands in ``$KVGRID_CACHE_DIR/native`` (default ``~/.cache/kvgrid/native``), named by a
+hash of its sources and flags; later starts load it without compiling. Building needs a C
+compiler (``$CC``, else ``cc``). Both link OpenMP by soname, so once torch is imported they share
+torch's runtime; callers pass ``torch.get_num_threads()`` through ``*_set_num_threads`` before
+each step.
 """
 
 from __future__ import annotations
@@ -19,13 +24,17 @@ import shutil
 import subprocess
 import tempfile
 from ctypes import c_float, c_int, c_int64, c_void_p
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..cache_dir import cache_root
+from ..cpu_features import cpu_flags
 
-SOURCE = Path(__file__).with_name("decode_kernels.c")
-FLAGS = ("-O3", "-std=gnu11", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
-DTYPE_CODES = {"float32": 0, "bfloat16": 1}  # see decode_kernels.c
+HERE = Path(__file__).parent
+SOURCE = HERE / "decode_kernels.c"
+COMMON = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC")
+FLAGS = (*COMMON, "-mavx2", "-mfma")
+DTYPE_CODES = {"float32": 0, "bfloat16": 1}  # see scalar.h
 
 _SIGNATURES = {
     "kvg_set_num_threads": (c_int,),
@@ -46,21 +55,28 @@ _SIGNATURES = {
         + (c_float, c_int)
     ),
 }
+_QUANT_SIGNATURES = {
+    "kvq_set_num_threads": (c_int,),
+    # x, w, scales, bias, y, ldy, M, N, K, format, dtype, accumulate
+    "kvq_linear": ((c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int64, c_int64) + (c_int,) * 3),
+    # w, scales, index, count, K, format, out
+    "kvq_dequantize_rows": (c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int, c_void_p),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Library:
+    source: Path
+    flags: tuple[str, ...]
+    signatures: dict
+
+
+DECODE = Library(SOURCE, FLAGS, _SIGNATURES)
+QUANT = Library(HERE / "quant_kernels.c", COMMON, _QUANT_SIGNATURES)
 
 
 class NativeKernelsUnavailable(RuntimeError):
     """The kernels cannot be built or run here; the message says why."""
-
-
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str]:
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def cache_dir() -> Path:
@@ -74,12 +90,12 @@ def _compiler() -> str:
     return cc
 
 
-def build(directory: Path | None = None) -> Path:
-    """The path of the compiled library, compiling it first if this source and flags have none yet."""
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+def build(directory: Path | None = None, library: Library = DECODE) -> Path:
+    """The path of the compiled library, compiling it first if these sources and flags have none yet."""
+    sources = library.source.read_bytes() + (HERE / "scalar.h").read_bytes()
+    digest = hashlib.sha256(sources + " ".join(library.flags).encode()).hexdigest()[:16]
     directory = directory or cache_dir()
-    target = directory / f"kvgrid_decode_{digest}.so"
+    target = directory / f"kvgrid_{library.source.stem}_{digest}.so"
     if target.exists():
         return target
     cc = _compiler()
@@ -87,9 +103,11 @@ def build(directory: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        result = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        command = [cc, *library.flags, str(library.source), "-o", tmp, "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise NativeKernelsUnavailable(f"{cc} failed to build {SOURCE.name}: {result.stderr.strip()[-500:]}")
+            name = library.source.name
+            raise NativeKernelsUnavailable(f"{cc} failed to build {name}: {result.stderr.strip()[-500:]}")
         os.replace(tmp, target)  # atomic: concurrent workers never load a half-written file
     finally:
         if os.path.exists(tmp):
@@ -97,21 +115,34 @@ def build(directory: Path | None = None) -> Path:
     return target
 
 
+def _open(library: Library) -> ctypes.CDLL:
+    import torch  # noqa: F401  (loaded first, so the library binds to torch's OpenMP runtime)
+
+    try:
+        lib = ctypes.CDLL(str(build(library=library)))
+    except OSError as exc:
+        raise NativeKernelsUnavailable(f"could not build or load the native kernels: {exc}") from exc
+    for name, argtypes in library.signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
 @functools.cache
 def load() -> ctypes.CDLL:
-    """The kernels, ready to call; raises NativeKernelsUnavailable."""
+    """The decode kernels, ready to call; raises NativeKernelsUnavailable."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise NativeKernelsUnavailable(f"the native kernels are for x86-64, this is {platform.machine()}")
     missing = {"avx2", "fma"} - cpu_flags()
     if missing:
         raise NativeKernelsUnavailable(f"this CPU lacks {', '.join(sorted(missing))}")
-    import torch  # noqa: F401  (loaded first, so the library binds to torch's OpenMP runtime)
+    return _open(DECODE)
 
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except OSError as exc:
-        raise NativeKernelsUnavailable(f"could not build or load the native kernels: {exc}") from exc
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, None
+
+@functools.cache
+def load_quant() -> ctypes.CDLL:
+    """The quantized linear, AVX2 where the CPU has it; raises NativeKernelsUnavailable."""
+    lib = _open(QUANT)
+    lib.kvq_use_avx2.argtypes, lib.kvq_use_avx2.restype = (c_int,), c_int
+    lib.kvq_use_avx2(1)
     return lib

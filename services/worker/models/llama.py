@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention.base import AttentionBackend, AttentionMetadata
+from ..quant.formats import PackedWeight
+from ..quant.install import install_gguf
+from ..quant.matmul import packed_embedding, packed_linear
 from .rope import apply_rotary, cos_sin_tables
 
 if TYPE_CHECKING:
@@ -94,8 +97,11 @@ class Linear(nn.Linear):
 
     upcast: bool = False
     weight_f32: torch.Tensor | None = None
+    packed: PackedWeight | None = None  # --quantization: the weight as int8 or GGUF blocks (see quant/)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         if self.upcast and x.shape[0] > 1:
             weight = self.weight.float() if self.weight_f32 is None else self.weight_f32
             return upcast_linear(x, weight, self.bias)
@@ -105,6 +111,17 @@ class Linear(nn.Linear):
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return out.to(x.dtype)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` whose table may be packed (``--quantization``); rows are dequantized on lookup."""
+
+    packed: PackedWeight | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_embedding(self.packed, ids, self.weight.dtype)
+        return F.embedding(ids, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -185,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: LlamaArgs, backend: AttentionBackend):
         super().__init__()
         self.args = args
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, backend) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -193,8 +210,13 @@ class LlamaForCausalLM(nn.Module):
         self.upcast_matmuls = False
         self.logits_weight_f32: torch.Tensor | None = None  # float32 copy of the logits weight, see set_upcast_matmuls
         self.sin: torch.Tensor | None = None
-        # Small decode steps on CPU through the native kernels (see llama_cpu.py); set by the engine.
+        # Decode-only steps on CPU through the native kernels (see llama_cpu.py); set by the engine.
         self.cpu_decode: CpuDecodePath | None = None
+
+    def set_cpu_decode(self, path: CpuDecodePath | None) -> None:
+        """Decode-only steps, and the decodes of mixed steps' attention, on the native kernels (None: torch)."""
+        self.cpu_decode = path
+        self.layers[0].self_attn.backend.native_decode = None if path is None else path.attention  # shared backend
 
     def init_rope(self) -> None:
         a, w = self.args, self.embed_tokens.weight
@@ -211,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, E] hidden states before the final norm
         if self.cpu_decode is not None and self.cpu_decode.takes(meta):
             return self.cpu_decode.forward(input_ids, positions, kv_caches, meta)
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens.forward(input_ids)
         cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         residual = None
@@ -219,12 +241,20 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer.forward(x, residual, cos, sin, kv_cache, meta)
         return x.add_(residual)
 
+    @property
+    def logits_module(self) -> Linear | Embedding:
+        """The module whose weight (or packed weight) turns hidden states into logits."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, E] -> [R, vocab]
         """Only the rows that sample: the final norm is per row, so it runs after the selection."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.cpu_decode is not None and hidden.shape[0] <= self.cpu_decode.max_seqs:
-            return self.cpu_decode.logits(hidden, weight)
+        if self.cpu_decode is not None:
+            return self.cpu_decode.logits(hidden)
         normed, _ = self.norm(hidden)
+        module = self.logits_module
+        if module.packed is not None:
+            return packed_linear(normed, module.packed)
+        weight = module.weight
         if self.upcast_matmuls and normed.shape[0] > 1:
             weight = weight.float() if self.logits_weight_f32 is None else self.logits_weight_f32
             return F.linear(normed.float(), weight)  # float32 logits: the sampler takes any dtype
@@ -249,10 +279,13 @@ class LlamaForCausalLM(nn.Module):
         if keep_copies:
             self.logits_weight_f32 = embed.detach().float() if self.lm_head is None else self.lm_head.weight_f32
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the fused parameters; raises on gaps."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the fused parameters; raises on gaps.
+
+        Packed matrices (``--quantization gguf``) are gathered and installed at the end (``quant.install``)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        packed: dict[str, list[tuple[int, PackedWeight]]] = {}
         a = self.args
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         # checkpoint part -> (our part, row offset in the fused tensor)
@@ -279,7 +312,10 @@ class LlamaForCausalLM(nn.Module):
                 param = param[offset : offset + tensor.shape[0]]
             if param.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            param.copy_(tensor)
+            if isinstance(tensor, PackedWeight):
+                packed.setdefault(target, []).append((offset or 0, tensor))
+            else:
+                param.copy_(tensor)
             loaded.add(target if offset is None else f"{target}@{offset}")
         expected = {n for n in params if not any(p in n for p in ("qkv_proj", "gate_up_proj"))}
         for n in params:
@@ -290,3 +326,4 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")
+        install_gguf(self, packed)

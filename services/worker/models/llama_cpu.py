@@ -1,12 +1,14 @@
-"""The Llama decode step on the native CPU kernels, for steps of a few single-token requests.
+"""The Llama decode step on the native CPU kernels, for decode-only steps of any size.
 
 At batch 1 a decode step on a CPU is ~120 matrix-vector products plus ~20 small ops per
 layer. torch's bfloat16 matrix-vector product reaches about half the memory bandwidth here,
 and each small eager op costs 2-20 us of dispatch; ``cpu_kernels/decode_kernels.c`` streams
 the weights at close to bandwidth and does each small op in one call, 9 calls per layer.
-Larger steps (prefill chunks, many decodes) are matrix-matrix products where torch is the
-faster path, so ``LlamaForCausalLM`` sends only decode-only steps of at most ``max_seqs``
-requests here. Same weights, same KV cache, same numerics op for op (see the C file).
+Norms, rotary embedding, the cache write and paged attention over the block tables always run
+here. Matmuls pick their kernel by row count: float weights take the native GEMV up to
+``NATIVE_ROWS`` rows and torch's GEMM above (compute-bound there, where MKL is faster); packed
+weights (``--quantization``) take ``quant.matmul``. Same weights, same KV cache, same numerics
+op for op (see the C files).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import torch.nn.functional as F
 
 from ..attention.base import AttentionMetadata
 from ..cpu_kernels.library import DTYPE_CODES
+from ..quant.matmul import DEQUANTIZE_ROWS, linear_into, packed_linear
 
-# The largest decode step taken here. Measured on a 2-core AVX2 CPU against the torch path:
-# bf16 1.7x at 8 requests, 1.4x at 16, 0.9x at 24; float32 still 1.2x at 24.
-MAX_SEQS = 16
+# Float weights: rows up to which the native GEMV beats torch's GEMM. Measured on a 2-core AVX2
+# CPU against the torch path: bf16 1.7x at 8 requests, 1.4x at 16, 0.9x at 24; float32 1.2x at 24.
+NATIVE_ROWS = 16
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -29,9 +32,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class CpuDecodePath:
-    """Raw pointers to the model's weights, taken once; valid while the model keeps its parameters."""
+    """Holds the model's own modules (no weight copies); valid while the model keeps its parameters."""
 
-    def __init__(self, model, lib: ctypes.CDLL, max_seqs: int = MAX_SEQS):
+    def __init__(self, model, lib: ctypes.CDLL, native_rows: int = NATIVE_ROWS):
         a = model.args
         dtype = model.embed_tokens.weight.dtype
         dtype_name = str(dtype).removeprefix("torch.")
@@ -43,35 +46,20 @@ class CpuDecodePath:
                 f"the native CPU kernels take an even head_dim up to 1024 and up to 16 query heads per KV head,"
                 f" not head_dim {a.head_dim} with {a.num_heads} query and {a.num_kv_heads} KV heads"
             )
-        self.lib, self.model, self.max_seqs = lib, model, max_seqs
+        for p in model.parameters():
+            if not p.is_contiguous() or p.device.type != "cpu":
+                raise ValueError("the native CPU kernels need contiguous CPU weights")
+        self.lib, self.model, self.native_rows = lib, model, native_rows
         self.dtype, self.code = dtype, DTYPE_CODES[dtype_name]
         self.hidden, self.intermediate = a.hidden_size, a.intermediate_size
         self.heads, self.kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.qkv_width = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
         self.eps = a.rms_norm_eps
         self.scale = a.head_dim**-0.5
-        self.layers = [
-            (
-                _ptr(layer.input_layernorm.weight),
-                _ptr(layer.self_attn.qkv_proj.weight),
-                _ptr(layer.self_attn.qkv_proj.bias),
-                _ptr(layer.self_attn.o_proj.weight),
-                _ptr(layer.self_attn.o_proj.bias),
-                _ptr(layer.post_attention_layernorm.weight),
-                _ptr(layer.mlp.gate_up_proj.weight),
-                _ptr(layer.mlp.gate_up_proj.bias),
-                _ptr(layer.mlp.down_proj.weight),
-                _ptr(layer.mlp.down_proj.bias),
-            )
-            for layer in model.layers
-        ]
-        for p in model.parameters():
-            if not p.is_contiguous() or p.device.type != "cpu":
-                raise ValueError("the native CPU kernels need contiguous CPU weights")
         self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def takes(self, meta: AttentionMetadata) -> bool:
-        return meta.is_decode_only and meta.num_seqs <= self.max_seqs
+        return meta.is_decode_only
 
     def scratch(self, rows: int) -> tuple[torch.Tensor, ...]:
         """Per-step intermediates (normed, qkv, attention out, gate_up, activation), kept per row count."""
@@ -81,6 +69,22 @@ class CpuDecodePath:
             buffers = tuple(torch.empty(rows, n, dtype=self.dtype) for n in shapes)
             self._scratch[rows] = buffers
         return buffers
+
+    def linear(self, module, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
+        """out (+)= module(x), out's rows possibly strided: the kernel for this row count and weight."""
+        rows = x.shape[0]
+        if module.packed is not None and rows < DEQUANTIZE_ROWS:
+            linear_into(x, module.packed, module.bias, out, accumulate)
+            return
+        if module.packed is None and rows <= self.native_rows:
+            n, k = module.weight.shape
+            self.lib.kvg_linear(
+                x.data_ptr(), module.weight.data_ptr(), _ptr(module.bias), out.data_ptr(), out.stride(0), rows, n, k,
+                self.code, int(accumulate),
+            )  # fmt: skip
+            return
+        product = module.forward(x)  # a GEMM: torch's (bf16 weights upcast, packed ones dequantized per call)
+        out.add_(product) if accumulate else out.copy_(product)
 
     def forward(
         self,
@@ -93,7 +97,7 @@ class CpuDecodePath:
         lib.kvg_set_num_threads(torch.get_num_threads())
         rows = input_ids.shape[0]
         E, I, H, KV, D = self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim
-        hidden = F.embedding(input_ids, self.model.embed_tokens.weight)  # the residual stream
+        hidden = self.model.embed_tokens.forward(input_ids)  # the residual stream
         normed, qkv, attn, gate_up, act = self.scratch(rows)
         h, n, q, o, gu, ac = (t.data_ptr() for t in (hidden, normed, qkv, attn, gate_up, act))
         cos, sin = self.model.cos.data_ptr(), self.model.sin.data_ptr()
@@ -101,32 +105,66 @@ class CpuDecodePath:
         tables, lens, table_width = meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.block_tables.shape[1]
         block_size = kv_caches[0][0].shape[1]
         width = self.qkv_width
-        for (w_in, w_qkv, b_qkv, w_o, b_o, w_post, w_gu, b_gu, w_down, b_down), (k_cache, v_cache) in zip(
-            self.layers, kv_caches, strict=True
-        ):
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
+            attention, mlp = layer.self_attn, layer.mlp
             kc, vc = k_cache.data_ptr(), v_cache.data_ptr()
-            lib.kvg_rms_norm(h, w_in, n, rows, E, self.eps, dt)
-            lib.kvg_linear(n, w_qkv, b_qkv, q, width, rows, width, E, dt, 0)
+            lib.kvg_rms_norm(h, layer.input_layernorm.weight.data_ptr(), n, rows, E, self.eps, dt)
+            self.linear(attention.qkv_proj, normed, qkv)
             lib.kvg_rope_write_kv(q, width, cos, sin, pos, slots, kc, vc, rows, H, KV, D, dt)
             lib.kvg_decode_attention(
                 q, width, kc, vc, tables, table_width, lens, o, H * D, rows, H, KV, D, block_size, self.scale, dt
             )
-            lib.kvg_linear(o, w_o, b_o, h, E, rows, E, H * D, dt, 1)
-            lib.kvg_rms_norm(h, w_post, n, rows, E, self.eps, dt)
-            lib.kvg_linear(n, w_gu, b_gu, gu, 2 * I, rows, 2 * I, E, dt, 0)
+            self.linear(attention.o_proj, attn, hidden, accumulate=True)
+            lib.kvg_rms_norm(h, layer.post_attention_layernorm.weight.data_ptr(), n, rows, E, self.eps, dt)
+            self.linear(mlp.gate_up_proj, normed, gate_up)
             lib.kvg_silu_mul(gu, ac, rows, I, dt)
-            lib.kvg_linear(ac, w_down, b_down, h, E, rows, E, I, dt, 1)
+            self.linear(mlp.down_proj, act, hidden, accumulate=True)
         return hidden
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [R, E] -> [R, vocab]
-        hidden = hidden.contiguous()
-        rows, vocab = hidden.shape[0], weight.shape[0]
-        normed = torch.empty_like(hidden)
-        out = torch.empty(rows, vocab, dtype=self.dtype)
-        norm = self.model.norm.weight.data_ptr()
+    def attention(
+        self,
+        query: torch.Tensor,  # [B, H, D], rows of any stride
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        num_seqs: int,  # the first B requests of the step, one new token each
+        scale: float,
+    ) -> torch.Tensor:  # [B, H, D]
+        """Paged decode attention for the decodes of a mixed step (``TorchAttentionBackend.native_decode``)."""
+        if query.stride(2) != 1 or query.stride(1) != self.head_dim:
+            query = query.contiguous()
+        out = torch.empty(num_seqs, self.heads, self.head_dim, dtype=query.dtype)
         self.lib.kvg_set_num_threads(torch.get_num_threads())
-        self.lib.kvg_rms_norm(hidden.data_ptr(), norm, normed.data_ptr(), rows, self.hidden, self.eps, self.code)
-        self.lib.kvg_linear(
-            normed.data_ptr(), weight.data_ptr(), None, out.data_ptr(), vocab, rows, vocab, self.hidden, self.code, 0
-        )
+        self.lib.kvg_decode_attention(
+            query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), meta.block_tables.data_ptr(),
+            meta.block_tables.shape[1], meta.seq_lens.data_ptr(), out.data_ptr(), self.heads * self.head_dim,
+            num_seqs, self.heads, self.kv_heads, self.head_dim, k_cache.shape[1], scale, self.code,
+        )  # fmt: skip
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, E] -> [R, vocab]
+        model = self.model
+        hidden = hidden.contiguous()
+        rows = hidden.shape[0]
+        normed = torch.empty_like(hidden)
+        self.lib.kvg_set_num_threads(torch.get_num_threads())
+        self.lib.kvg_rms_norm(hidden.data_ptr(), model.norm.weight.data_ptr(), normed.data_ptr(), rows, self.hidden,
+                              self.eps, self.code)  # fmt: skip
+        module = model.logits_module
+        if module.packed is not None:
+            if rows >= DEQUANTIZE_ROWS:
+                return packed_linear(normed, module.packed)
+            out = torch.empty(rows, module.packed.shape[0], dtype=self.dtype)
+            linear_into(normed, module.packed, None, out)
+            return out
+        weight = module.weight
+        if rows > self.native_rows:
+            if model.upcast_matmuls:
+                weight = weight.float() if model.logits_weight_f32 is None else model.logits_weight_f32
+                return F.linear(normed.float(), weight)
+            return F.linear(normed, weight)
+        vocab = weight.shape[0]
+        out = torch.empty(rows, vocab, dtype=self.dtype)
+        self.lib.kvg_linear(normed.data_ptr(), weight.data_ptr(), None, out.data_ptr(), vocab, rows, vocab,
+                            self.hidden, self.code, 0)  # fmt: skip
         return out

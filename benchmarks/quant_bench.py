@@ -1,0 +1,93 @@
+"""Quantized linears against float32, one matrix at a time, all sides measured in turns in one run.
+
+    python -m benchmarks.quant_bench [--rows 1,8,32,128,512] [--threads 2] [--rounds 3]
+
+For SmolLM2-135M's matrix shapes (gate/up 3072x576, down 576x1536, the 49152x576 logits) and
+each row count: the native quantized kernel (``quant_kernels.c``) on int8, q8_0 and q4_1 weights,
+the same weights dequantized per call then torch's float32 GEMM (what ``quant.matmul`` does from
+``DEQUANTIZE_ROWS`` rows), and torch's float32 GEMM on float weights (the unquantized baseline).
+Prints microseconds per product (medians) and speed-ups over float32; JSON to
+``benchmarks/results/quant_bench.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.quant import formats
+from services.worker.quant.matmul import dequantize_rows, linear_into
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results", "quant_bench.json")
+SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "logits": (49152, 576)}
+
+
+def ggml_pack(fmt: str, weight: torch.Tensor) -> formats.PackedWeight:
+    import gguf
+
+    kind = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_1": gguf.GGMLQuantizationType.Q4_1}[fmt]
+    raw = gguf.quants.quantize(weight.numpy(), kind)
+    return formats.PackedWeight(fmt, torch.from_numpy(raw.copy()).view(weight.shape[0], -1), weight.shape[1])
+
+
+def timed(fn, repeat: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,8,32,128,512")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    samples: dict[tuple[str, int, str], list[float]] = {}
+    rows_list = [int(r) for r in args.rows.split(",")]
+    for name in args.shapes.split(","):
+        n, k = SHAPES[name]
+        weight = torch.randn(n, k) * 0.05
+        packed = {"int8": formats.quantize_int8(weight), "q8_0": ggml_pack("q8_0", weight)}
+        packed["q4_1"] = ggml_pack("q4_1", weight)
+        for _ in range(args.rounds):
+            for rows in rows_list:
+                x = torch.randn(rows, k)
+                out = torch.empty(rows, n)
+                repeat = max(2, min(50, 2000 // rows))
+                sides = {"float32": lambda x=x, w=weight: F.linear(x, w)}
+                for fmt, p in packed.items():
+                    sides[fmt] = lambda p=p, x=x, out=out: linear_into(x, p, None, out)
+                q41 = packed["q4_1"]
+                sides["q4_1 dequantized+GEMM"] = lambda x=x, p=q41: F.linear(x, dequantize_rows(p))
+                for side, fn in sides.items():
+                    samples.setdefault((name, rows, side), []).append(timed(fn, repeat))
+    results = []
+    sides = list(dict.fromkeys(side for _, _, side in samples))
+    print(f"\nmicroseconds per product, median of {args.rounds} rounds, {args.threads} threads (speed-up vs float32)\n")
+    print("| matrix | rows | " + " | ".join(sides) + " |")
+    print("|---|---:|" + "---:|" * len(sides))
+    for name in args.shapes.split(","):
+        for rows in rows_list:
+            med = {s: statistics.median(samples[(name, rows, s)]) for s in sides}
+            base = med["float32"]
+            cells = [f"{med[s]:.0f}" + ("" if s == "float32" else f" ({base / med[s]:.2f}x)") for s in sides]
+            print(f"| {name} {SHAPES[name]} | {rows} | " + " | ".join(cells) + " |")
+            results.append({"matrix": name, "shape": SHAPES[name], "rows": rows, "us": med})
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        json.dump({"benchmark": "quant_linear", "threads": args.threads, "rounds": args.rounds, "results": results}, f)
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Quantized weights (``--quantization``): formats, packing, reading GGUF blocks, and their matmuls."""

@@ -1,0 +1,74 @@
+"""A GGUF file's tensors under Hugging Face names, q8_0 / q4_0 / q4_1 matrices kept as stored.
+
+Only the ``gguf`` package reads the file (transformers' GGUF reader dequantizes everything).
+Tensors of other types (float norms, other quantizations) are dequantized by ``gguf`` itself
+and loaded as float tensors. llama.cpp's converter permutes the rows of q and k of the "llama"
+architecture for its rotary layout; that permutation moves whole rows, so it is undone on the
+packed rows exactly as transformers undoes it on float ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from .formats import PackedWeight
+
+_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(name: str) -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for tensors kvgrid skips."""
+    stem, _, kind = name.rpartition(".")
+    parts = stem.split(".")
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    if stem in _TOP_NAMES:
+        return f"{_TOP_NAMES[stem]}.{kind}"
+    return None  # e.g. rope_freqs: kvgrid computes rotary tables itself
+
+
+def unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's q/k permutation (transformers' _reverse_permute_weights)."""
+    dim = num_rows // num_heads // 2
+    return torch.arange(num_rows).view(num_heads, dim, 2).transpose(1, 2).reshape(-1)
+
+
+def read_gguf(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """(Hugging Face name, float tensor or PackedWeight) for every tensor kvgrid loads."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    field = reader.fields.get("general.architecture")
+    permuted = field is not None and bytes(field.parts[field.data[0]]).decode() == "llama"
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        kind = tensor.tensor_type.name
+        fmt = _KEPT.get(kind)
+        if fmt is not None and len(tensor.shape) == 2:
+            rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dims innermost first
+            value = PackedWeight(fmt, torch.from_numpy(np.array(tensor.data, copy=True)).view(rows, -1), cols)
+        else:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            value = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+        heads = num_heads if ".q_proj." in name else num_kv_heads if ".k_proj." in name else 0
+        if permuted and heads:
+            order = unpermute_rows(value.shape[0], heads)
+            value = value.rows(order) if isinstance(value, PackedWeight) else value[order].contiguous()
+        yield name, value

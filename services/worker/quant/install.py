@@ -1,0 +1,58 @@
+"""Putting packed weights into a loaded model: GGUF blocks as read, or int8 made from float weights.
+
+A module with a packed weight (``Linear``, ``Embedding`` of ``models.llama``) keeps it in
+``module.packed`` and gives up its float weight (an empty tensor of the model dtype is left in its
+place, so dtype and device still read from it): the float copy is never held.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from .formats import PackedWeight, concat_rows, dequantize, quantize_int8
+
+log = logging.getLogger(__name__)
+
+
+def packed_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if getattr(m, "packed", None) is not None]
+
+
+def packed_bytes(model: nn.Module) -> int:
+    return sum(m.packed.nbytes for m in packed_modules(model))
+
+
+def _give_up_float_weight(module: nn.Module, packed: PackedWeight) -> None:
+    weight = module.weight
+    module.packed = packed
+    module.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False)
+
+
+def install_gguf(model: nn.Module, parts: dict[str, list[tuple[int, PackedWeight]]]) -> None:
+    """Packed checkpoint pieces by parameter name (fused ones by row offset) into their modules.
+
+    A fused weight whose pieces differ in format (a GGUF may store v in another type than q) is
+    dequantized into the float parameter instead, and the log says so."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    for name, pieces in parts.items():
+        pieces.sort(key=lambda piece: piece[0])
+        param = params[name]
+        rows = sum(p.shape[0] for _, p in pieces)
+        formats = {p.format for _, p in pieces}
+        if len(formats) == 1 and rows == param.shape[0]:
+            _give_up_float_weight(modules[name.removesuffix(".weight")], concat_rows([p for _, p in pieces]))
+            continue
+        log.info("%s: pieces in %s are dequantized (one packed format per matrix)", name, sorted(formats))
+        with torch.no_grad():
+            for offset, piece in pieces:
+                param[offset : offset + piece.shape[0]].copy_(dequantize(piece))
+
+
+def install_int8(model: nn.Module, targets: list[nn.Module]) -> None:
+    """Weight-only int8, one scale per output channel, for each module of ``targets``."""
+    for module in targets:
+        _give_up_float_weight(module, quantize_int8(module.weight))
