@@ -89,7 +89,9 @@ def load_model(
     CPU without bfloat16 units should do (see ``models.llama.Linear``). ``cpu_kernels``: see
     ``attach_cpu_kernels``. ``quantization``: none, int8 or gguf (see ``quant/``), CPU only."""
     started = time.perf_counter()
-    source = cached_source(resolve_source(model_path, load_format))
+    source = resolve_source(model_path, load_format)
+    if quantization != "gguf":  # gguf keeps the file's own blocks: the dequantized cache is not what it reads
+        source = cached_source(source)
     torch_device = resolve_device(device)
     free_at_start = torch.cuda.mem_get_info(torch_device)[0] if torch_device.type == "cuda" else None
     torch_dtype = resolve_dtype(dtype, torch_device)
