@@ -141,6 +141,21 @@ def test_the_readme_example_runs_against_the_stack(node, stack):
     assert "Paris" in proc.stdout and re.search(r"\[(stop|length)\] \d+ tokens", proc.stdout), proc.stdout
 
 
+def test_the_openai_example_streams_a_chat_from_the_http_api(node, stack):
+    """The official `openai` npm package against the frontend's OpenAI-compatible HTTP API."""
+    env = child_env() | {"OPENAI_BASE_URL": f"http://127.0.0.1:{stack.ports['--http-port']}/v1"}
+    proc = subprocess.run(
+        [node, "examples/openai.mjs", "What is the capital of France?"],
+        cwd=PACKAGE,
+        capture_output=True,
+        text=True,
+        timeout=NODE_TIMEOUT_S,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout and re.search(r"\[(stop|length)\] \d+ tokens", proc.stdout), proc.stdout
+
+
 def test_the_readme_quotes_the_example():
     example = (PACKAGE / "examples" / "generate.mjs").read_text()
     assert f"```js\n{example}```" in (ROOT / "README.md").read_text(), "README's Node.js example differs"
