@@ -127,33 +127,27 @@ def test_node_client_against_a_kvgrid_stack(node, stack, tmp_path):
         assert outcomes.get(name) == "passed", (name, outcomes)
 
 
-def test_the_readme_example_runs_against_the_stack(node, stack):
-    env = child_env() | {"KVGRID_ADDR": stack.addr}
+def run_example(node: str, script: str, env: dict[str, str]) -> None:
+    """An example script asked the README's question: it must answer "Paris" and end with its finish line."""
     proc = subprocess.run(
-        [node, "examples/generate.mjs", "What is the capital of France?"],
+        [node, f"examples/{script}", "What is the capital of France?"],
         cwd=PACKAGE,
         capture_output=True,
         text=True,
         timeout=NODE_TIMEOUT_S,
-        env=env,
+        env=child_env() | env,
     )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout and re.search(r"\[(stop|length)\] \d+ tokens", proc.stdout), proc.stdout
+
+
+def test_the_readme_example_runs_against_the_stack(node, stack):
+    run_example(node, "generate.mjs", {"KVGRID_ADDR": stack.addr})
 
 
 def test_the_openai_example_streams_a_chat_from_the_http_api(node, stack):
     """The official `openai` npm package against the frontend's OpenAI-compatible HTTP API."""
-    env = child_env() | {"OPENAI_BASE_URL": f"http://127.0.0.1:{stack.ports['--http-port']}/v1"}
-    proc = subprocess.run(
-        [node, "examples/openai.mjs", "What is the capital of France?"],
-        cwd=PACKAGE,
-        capture_output=True,
-        text=True,
-        timeout=NODE_TIMEOUT_S,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert "Paris" in proc.stdout and re.search(r"\[(stop|length)\] \d+ tokens", proc.stdout), proc.stdout
+    run_example(node, "openai.mjs", {"OPENAI_BASE_URL": f"http://127.0.0.1:{stack.ports['--http-port']}/v1"})
 
 
 def test_the_readme_quotes_the_example():
