@@ -105,6 +105,9 @@ def fuzz(channel, scheduler_channel, num_examples: int) -> None:
         code = answer(stub, request)
         key = "stream" if code is None else code.name
         codes[key] = codes.get(key, 0) + 1
+        # A stream this test cancelled is torn down asynchronously; examples reuse request ids (e.g. "é" * 200),
+        # and a live duplicate is rightly ALREADY_EXISTS, so the next example starts once the scheduler is idle.
+        wait_idle(scheduler_channel)
 
     one()
     print("fuzz answers:", codes)
