@@ -137,7 +137,7 @@ def main() -> None:
     runner = create_runner(loaded, BLOCK_SIZE, blocks, seed=0)
     native = loaded.model.cpu_decode
     graphs = None
-    if cuda and loaded.model.layers[0].self_attn.backend.name == "triton":  # as the worker does; eager measured too
+    if cuda and loaded.attention_backend == "triton":  # as the worker does; eager measured too
         blocks_per_seq = -(-(args.prompt_len + args.steps + 1) // BLOCK_SIZE)
         runner.use_decode_graphs(max(batches), blocks_per_seq * BLOCK_SIZE)
         graphs = runner.graphs

@@ -82,7 +82,7 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         seed=config.model.seed,
     )
     runner = create_runner(loaded, block_size, figures.num_blocks, config.model.seed)
-    if loaded.device.type == "cuda" and loaded.model.layers[0].self_attn.backend.name == "triton":
+    if loaded.device.type == "cuda" and loaded.attention_backend == "triton":
         if config.device.enforce_eager:
             log.info("decode steps run eagerly (--enforce-eager): no CUDA graphs")
         else:

@@ -47,6 +47,10 @@ class LoadedModel:
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) + packed_bytes(self.model)
 
+    @property
+    def attention_backend(self) -> str:
+        return self.model.layers[0].self_attn.backend.name
+
     def block_bytes(self, block_size: int) -> int:
         a = self.args
         return bytes_per_block(a.num_layers, block_size, a.num_kv_heads, a.head_dim, self.dtype.itemsize)
