@@ -45,7 +45,14 @@ SERVICES = {
     ),
     "tokenizer": (
         "services.tokenizer.main",
-        (cfg.ModelConfig, cfg.SchedulerConfig, cfg.LifecycleConfig, cfg.ObservabilityConfig, cfg.NetworkConfig),
+        (
+            cfg.ModelConfig,
+            cfg.SchedulerConfig,
+            cfg.RoutingConfig,
+            cfg.LifecycleConfig,
+            cfg.ObservabilityConfig,
+            cfg.NetworkConfig,
+        ),
         "serve the public API (kvgrid.v1.TextGeneration)",
     ),
 }

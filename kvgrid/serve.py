@@ -69,7 +69,9 @@ def child_config(config: cfg.Config) -> cfg.Config:
     network = dataclasses.replace(
         net, scheduler_addr=f"{host}:{net.scheduler_port}", worker_addr=f"{host}:{net.worker_port}"
     )
-    return dataclasses.replace(config, network=network)
+    # The local tokenizer routes to the local scheduler only.
+    routing = dataclasses.replace(config.routing, scheduler_addrs="") if config.routing is not None else None
+    return dataclasses.replace(config, network=network, routing=routing)
 
 
 def service_argv(name: str, config: cfg.Config) -> list[str]:

@@ -162,6 +162,45 @@ class ParallelConfig:
 
 
 @dataclass(slots=True)
+class RoutingConfig:
+    scheduler_addrs: str = _opt(
+        "",
+        "the schedulers of all worker groups, HOST:PORT,... or one DNS name resolving to many (a Kubernetes "
+        "headless Service); empty: the one --scheduler-addr",
+    )
+    scheduler_resolve_interval: float = _opt(10.0, "seconds between DNS lookups of --scheduler-addrs names (0: once)")
+    routing_policy: str = _opt(
+        "cache-aware",
+        "how the frontend picks a group: by prefix-cache overlap and load, or in turn",
+        ("cache-aware", "round-robin"),
+    )
+    routing_prefix_weight: float = _opt(1.0, "score per fraction of the prompt a group holds in its prefix cache")
+    routing_load_weight: float = _opt(
+        0.5, "score taken off a group per running+waiting request, relative to the busiest group's"
+    )
+    routing_kv_weight: float = _opt(0.2, "score taken off a group per fraction of its KV cache in use")
+    routing_balance_abs_threshold: int = _opt(
+        8, "load alone decides when the busiest group has more than this many requests over the idlest ..."
+    )
+    routing_balance_rel_threshold: float = _opt(1.5, "... and more than this many times as many")
+
+    def validate(self) -> list[str]:
+        errors = []
+        for addr in self.scheduler_addrs.split(","):
+            if addr.strip() and ":" not in addr:
+                errors.append(f"--scheduler-addrs entries must be HOST:PORT, got {addr.strip()!r}")
+        if self.scheduler_resolve_interval < 0:
+            errors.append(f"--scheduler-resolve-interval must be >= 0, got {self.scheduler_resolve_interval}")
+        if self.routing_balance_abs_threshold < 0 or self.routing_balance_rel_threshold < 1:
+            errors.append("--routing-balance-abs-threshold must be >= 0 and --routing-balance-rel-threshold >= 1")
+        return errors
+
+    def addrs(self, scheduler_addr: str) -> list[str]:
+        """The scheduler addresses the frontend starts from: --scheduler-addrs, else --scheduler-addr."""
+        return list(dict.fromkeys(a.strip() for a in self.scheduler_addrs.split(",") if a.strip())) or [scheduler_addr]
+
+
+@dataclass(slots=True)
 class LifecycleConfig:
     shutdown_grace: float = _opt(
         30.0, "seconds in-flight requests may take to finish after SIGTERM; new ones get UNAVAILABLE meanwhile"
@@ -210,6 +249,7 @@ ALL_SECTIONS = (
     CacheConfig,
     SchedulerConfig,
     ParallelConfig,
+    RoutingConfig,
     LifecycleConfig,
     ObservabilityConfig,
     NetworkConfig,
@@ -310,6 +350,7 @@ class Config:
     cache: CacheConfig | None = None
     scheduler: SchedulerConfig | None = None
     parallel: ParallelConfig | None = None
+    routing: RoutingConfig | None = None
     lifecycle: LifecycleConfig | None = None
     observability: ObservabilityConfig | None = None
     network: NetworkConfig | None = None

@@ -10,7 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from services.scheduler.free_queue import FreeBlockQueue, KVCacheBlock
 from services.scheduler.prefix_hash import BlockHash
@@ -26,6 +26,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self._cached: dict[int, KVCacheBlock] = {}
         self.num_evictions = 0
+        # Told (hash value, True) when a prefix block becomes findable and (hash value, False) when it is evicted:
+        # schedulers publish these to frontends for routing (KvEvents).
+        self.on_event: Callable[[int, bool], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -42,6 +45,10 @@ class BlockPool:
     @property
     def num_cached_free_blocks(self) -> int:
         return sum(1 for block in self._cached.values() if block.ref_cnt == 0)
+
+    def cached_hashes(self) -> list[int]:
+        """Hash values of every findable prefix block."""
+        return list(self._cached)
 
     def get_new_blocks(self, num: int) -> list[KVCacheBlock]:
         """``num`` blocks from the queue's head, each with ref_cnt 1; evicts their cached prefixes."""
@@ -76,6 +83,8 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached[block_hash.value] = block
+        if self.on_event is not None:
+            self.on_event(block_hash.value, True)
 
     def free_blocks(self, ordered: Iterable[KVCacheBlock]) -> None:
         """Drop one holder from each block. Pass a request's blocks tail first: of the blocks that become
@@ -92,6 +101,9 @@ class BlockPool:
                     self.free_queue.append(block)
 
     def _evict(self, block: KVCacheBlock) -> None:
-        del self._cached[block.block_hash.value]
+        value = block.block_hash.value
+        del self._cached[value]
         block.block_hash = None
         self.num_evictions += 1
+        if self.on_event is not None:
+            self.on_event(value, False)

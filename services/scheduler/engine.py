@@ -36,6 +36,7 @@ from services.scheduler.block_pool import BlockPool
 from services.scheduler.convert import plan_to_proto, sampled_from_proto
 from services.scheduler.frontends import FrontendRequest, FrontendStream
 from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.kv_events import KvEventLog
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerLimits, SchedulerOutput, WorkerProtocolError
 from services.scheduler.streams import RequestStream
@@ -104,6 +105,7 @@ class Engine:
         self._past = {"queries": 0, "hits": 0, "preemptions": 0}
         self._num_steps = 0
         self._draining = False
+        self._kv_events = KvEventLog()
 
     @property
     def ready(self) -> bool:
@@ -162,8 +164,12 @@ class Engine:
         return True
 
     def connect(self, peer: str) -> FrontendStream:
+        """A new frontend stream; its first message carries the load and every cached block hash."""
         frontend = FrontendStream(peer, self.abort)
         self.frontends.add(frontend)
+        core = self._core
+        cached = dict.fromkeys(core.kv.pool.cached_hashes(), True) if core is not None else {}
+        frontend.publish(self.load(), True, cached, self._kv_events.block_size)
         return frontend
 
     def disconnect(self, frontend: FrontendStream) -> None:
@@ -175,6 +181,22 @@ class Engine:
         """The caller of ``stream`` is gone: abort its request if it is still live."""
         if not stream.done and self._streams.get(stream.request.request_id) is stream:
             self.abort(stream.request.request_id)
+
+    def load(self) -> scheduler_pb2.GroupLoad:
+        core = self._core
+        if core is None:
+            return scheduler_pb2.GroupLoad(num_waiting=len(self._parked))
+        return scheduler_pb2.GroupLoad(
+            num_running=core.num_running, num_waiting=core.num_waiting, kv_cache_usage=core.kv.usage
+        )
+
+    def _publish(self) -> None:
+        """Tell every frontend stream what changed for routing (load, prefix-cache contents) since last time."""
+        load, cleared, changes = self._kv_events.take(self.load())
+        if load is None and not cleared and not changes:
+            return
+        for frontend in self.frontends:
+            frontend.publish(load, cleared, changes, self._kv_events.block_size)
 
     def stats(self) -> scheduler_pb2.SchedulerStats:
         past = self._past
@@ -242,6 +264,8 @@ class Engine:
     def _begin(self, session: WorkerSession) -> None:
         info = session.info
         self._core, self._admission = build_scheduler(info, self.config)
+        self._kv_events.reset(info.block_size)
+        self._core.kv.pool.on_event = self._kv_events.record
         parked, self._parked = self._parked, []
         for request in self._core.adopt(parked):
             stream = self._streams.pop(request.request_id)
@@ -265,6 +289,7 @@ class Engine:
             self._core.max_seq_len,
         )
         self._on_ready(not self._draining)
+        self._publish()
 
     async def _end(self, session: WorkerSession, reason: str, park: bool) -> None:
         self._on_ready(False)
@@ -284,6 +309,8 @@ class Engine:
             self.metrics.num_running.set(0)
             self.metrics.num_waiting.set(len(self._parked))
             self.metrics.kv_cache_usage.set(0)
+        self._kv_events.reset(0)
+        self._publish()
         await session.channel.close()
 
     def _park(self, requests: list[Request]) -> None:
@@ -311,6 +338,7 @@ class Engine:
                         in_flight.append(out)
                         continue
                 if not in_flight:
+                    self._publish()  # e.g. the load after aborts that needed no step
                     await self._idle(call)
                     continue
                 result = await call.read()
@@ -345,6 +373,7 @@ class Engine:
             stream.push(output)
             if output.finish is not None:
                 del streams[request_id]
+        self._publish()
         for frontend in self.frontends:
             frontend.flush()
 

@@ -20,6 +20,7 @@ from kvgrid.v1 import common_pb2, scheduler_pb2
 from services.common import tracing
 from services.common.errors import KvgridError
 from services.scheduler.convert import FINISH_REASONS
+from services.scheduler.kv_events import fill_kv_events
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestOutput
 
@@ -91,6 +92,11 @@ class FrontendStream:
         self._deltas: dict[str, scheduler_pb2.RequestDelta] = {}
         self._ready = asyncio.Event()
         self.closed = False
+        # Routing news not sent yet: the latest load, and prefix-cache changes netted per hash.
+        self._load: scheduler_pb2.GroupLoad | None = None
+        self._kv_cleared = False
+        self._kv_changes: dict[int, bool] = {}
+        self._block_size = 0
 
     def add(self, request: Request, span) -> FrontendRequest:
         entry = self.requests[request.request_id] = FrontendRequest(request, self, span)
@@ -118,6 +124,20 @@ class FrontendStream:
         delta.error_message = str(error)
         self.flush()
 
+    def publish(
+        self, load: scheduler_pb2.GroupLoad | None, cleared: bool, changes: dict[int, bool], block_size: int
+    ) -> None:
+        """Queue the scheduler's load and prefix-cache changes for the next message, and wake the writer."""
+        if load is not None:
+            self._load = load
+        if cleared:
+            self._kv_cleared = True
+            self._kv_changes = {}
+        self._kv_changes.update(changes)
+        self._block_size = block_size
+        if load is not None or cleared or changes:
+            self._ready.set()
+
     def flush(self) -> None:
         """Hand the pending message to the writer (if it holds anything)."""
         if self._deltas:
@@ -132,6 +152,12 @@ class FrontendStream:
                 return
             message, self._message = self._message, scheduler_pb2.SchedulerMessage()
             self._deltas = {}
+            if self._load is not None:
+                message.load.CopyFrom(self._load)
+                self._load = None
+            if self._kv_cleared or self._kv_changes:
+                fill_kv_events(message.kv_events, self._kv_cleared, self._kv_changes, self._block_size)
+                self._kv_cleared, self._kv_changes = False, {}
             yield message
 
     def close(self) -> None:

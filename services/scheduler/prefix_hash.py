@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.common.block_hash import chain_hash
+
 
 @dataclass(slots=True, frozen=True)
 class BlockHash:
@@ -23,8 +25,7 @@ class BlockHash:
 def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
     parent_value = parent.value if parent is not None else None
     tokens = tuple(token_ids)
-    # hash() of a tuple of ints (and None) is stable across processes: PYTHONHASHSEED only salts str/bytes.
-    return BlockHash(hash((parent_value, tokens, extra_keys)), parent_value, tokens, extra_keys)
+    return BlockHash(chain_hash(parent_value, tokens, extra_keys), parent_value, tokens, extra_keys)
 
 
 def extend_block_hashes(

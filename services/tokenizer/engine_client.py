@@ -9,7 +9,10 @@ detokenize, stop strings), in chunks so that a large batch never holds the
 event loop for long, and fanned out to the waiting calls. When the stream
 breaks, every call in flight fails with UNAVAILABLE and the stream is dialed
 again with backoff. Errors surface as ``KvgridError`` subclasses carrying the
-scheduler's status code, never as raw ``AioRpcError``.
+scheduler's status code, never as raw ``AioRpcError``. The load and prefix-cache
+news the scheduler sends on the same stream keep ``view`` current for routing;
+with several worker groups, ``services.tokenizer.router.Router`` holds one
+``EngineClient`` per scheduler and offers the same submit interface.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import grpc
 
 from kvgrid.v1 import common_pb2, scheduler_pb2
 from services.common.errors import AlreadyExists, Unavailable, error_for_code
+from services.tokenizer.group_view import GroupView
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.request_handle import RequestHandle
 from services.tokenizer.upstream import INITIAL_BACKOFF_S, MAX_BACKOFF_S, SchedulerLink
@@ -40,6 +44,7 @@ class EngineClient:
     def __init__(self, addr: str, state: ModelState):
         self.addr = addr
         self.link = SchedulerLink(addr, state)
+        self.view = GroupView()
         self._handles: dict[str, RequestHandle] = {}
         # Outgoing messages not written yet; submits after an abort start a new message, so order is kept.
         self._outbox: list[scheduler_pb2.FrontendMessage] = []
@@ -47,16 +52,27 @@ class EngineClient:
         self._connected = asyncio.Event()
         self._task: asyncio.Task | None = None
 
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._handles)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._handles
+
     def start(self) -> None:
         self.link.start()
         self._task = asyncio.create_task(self._run(), name="scheduler-connect")
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "the frontend is shutting down") -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        self._fail_all("the frontend is shutting down")
+        self._fail_all(reason)
         await self.link.close()
 
     async def submit(
@@ -113,6 +129,7 @@ class EngineClient:
                 reason = f"{e.code().name}: {e.details()}"
             finally:
                 self._connected.clear()
+                self.view.reset()
                 if writer is not None:
                     writer.cancel()
                 call.cancel()
@@ -134,6 +151,8 @@ class EngineClient:
 
     async def _dispatch(self, message: scheduler_pb2.SchedulerMessage) -> None:
         """One step's deltas: each goes through its handle's transform and on to the waiting call."""
+        if message.HasField("load") or message.HasField("kv_events"):
+            self.view.apply(message)
         handles = self._handles
         for i, delta in enumerate(message.deltas):
             if i and i % CHUNK == 0:

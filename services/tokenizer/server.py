@@ -1,5 +1,5 @@
 """Assemble the frontend: gRPC TextGeneration + health + reflection, the HTTP app (OpenAI API, /health,
-/metrics), and the one engine client both hand requests to."""
+/metrics), and the one engine client both hand requests to (a Router over every scheduler group)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from dataclasses import dataclass
 import grpc
 
 from kvgrid.v1 import generate_pb2_grpc
-from services.common.config import Config
+from services.common.config import Config, RoutingConfig
 from services.common.metrics import TokenizerMetrics
 from services.common.server import Health, add_reflection, bind, new_server
-from services.tokenizer.engine_client import EngineClient
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.openai.app import build_app
 from services.tokenizer.openai.server import HttpServer
 from services.tokenizer.openai.serving import OpenAIServing
+from services.tokenizer.router import Router
 from services.tokenizer.servicer import TextGenerationServicer
 from services.tokenizer.text_tokenizer import TextTokenizer, read_tokenizer_dir
 
@@ -40,7 +40,7 @@ def load_tokenizer(path: str) -> TextTokenizer:
 class TokenizerServer:
     server: grpc.aio.Server
     http: HttpServer
-    engine: EngineClient
+    engine: Router
     state: ModelState
     health: Health
     metrics: TokenizerMetrics
@@ -72,13 +72,15 @@ async def start_tokenizer(
     metrics = TokenizerMetrics(config.model.name)
     server = new_server()
     health = Health(server, [SERVICE_NAME])
+    routing = config.routing or RoutingConfig()
+    addrs = routing.addrs(config.network.scheduler_addr)
     state = ModelState(
-        config.network.scheduler_addr,
+        ", ".join(addrs),
         tokenizer=tokenizer,
         served_model_name=config.model.served_model_name,
         on_change=health.set,
     )
-    engine = EngineClient(config.network.scheduler_addr, state)
+    engine = Router(addrs, state, routing)
     generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state, engine, metrics), server)
     add_reflection(server, [SERVICE_NAME])
     bound = bind(server, config.network.host, port)
@@ -92,10 +94,11 @@ async def start_tokenizer(
         raise
     engine.start()
     log.info(
-        "tokenizer frontend on %s:%d (HTTP %d), scheduler at %s",
+        "tokenizer frontend on %s:%d (HTTP %d), schedulers at %s (%s routing)",
         config.network.host,
         bound,
         bound_http,
-        config.network.scheduler_addr,
+        ", ".join(engine.groups),
+        routing.routing_policy,
     )
     return TokenizerServer(server, http, engine, state, health, metrics, bound, bound_http)

@@ -1,0 +1,26 @@
+"""The chained hash of a full KV block, shared by the scheduler's prefix cache and the frontend's router.
+
+A block's hash covers its parent's hash, its own token ids and extra keys, so
+equal hashes mean equal prefixes up to and including the block. Schedulers
+publish the hashes they hold (``KvEvents``); a frontend hashes a prompt the same
+way to tell how much of it each scheduler has cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...], extra_keys: tuple = ()) -> int:
+    # hash() of a tuple of ints (and None) is stable across processes: PYTHONHASHSEED only salts str/bytes.
+    return hash((parent, token_ids, extra_keys))
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The hashes of the full blocks of ``token_ids``, first block first."""
+    hashes: list[int] = []
+    parent = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(parent, tuple(token_ids[start : start + block_size]))
+        hashes.append(parent)
+    return hashes
