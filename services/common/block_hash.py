@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# The parent value of a prompt's first block. Not None: before Python 3.12 hash(None) is its address, which
+# differs between processes, and frontends must compute the schedulers' values.
+ROOT = 0
+
 
 def chain_hash(parent: int | None, token_ids: tuple[int, ...], extra_keys: tuple = ()) -> int:
-    # hash() of a tuple of ints (and None) is stable across processes: PYTHONHASHSEED only salts str/bytes.
-    return hash((parent, token_ids, extra_keys))
+    # hash() of a tuple of ints is the same in every process: PYTHONHASHSEED only salts str/bytes.
+    return hash((ROOT if parent is None else parent, token_ids, extra_keys))
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:

@@ -39,9 +39,7 @@ class KvEventLog:
         return out
 
 
-def fill_kv_events(
-    events: scheduler_pb2.KvEvents, cleared: bool, changes: dict[int, bool], block_size: int
-) -> None:
+def fill_kv_events(events: scheduler_pb2.KvEvents, cleared: bool, changes: dict[int, bool], block_size: int) -> None:
     events.cleared = cleared
     events.block_size = block_size
     for value, stored in changes.items():

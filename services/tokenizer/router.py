@@ -164,6 +164,7 @@ class Router:
         hashes = hashes_by_size[size]
         route_key = hashes[0] if hashes else chain_hash(None, tuple(prompt_ids[:size]))
         chosen = self.groups[choose(candidates, len(hashes), route_key, self.config).addr]
+        log.debug("routed to %s among %s", chosen.addr, candidates)
         chosen.client.view.note_routed(hashes_by_size[chosen.block_size])
         return chosen
 
