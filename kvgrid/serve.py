@@ -67,11 +67,12 @@ def child_config(config: cfg.Config) -> cfg.Config:
     net = config.network
     host = dial_host(net.host)
     network = dataclasses.replace(
-        net, scheduler_addr=f"{host}:{net.scheduler_port}", worker_addr=f"{host}:{net.worker_port}"
+        net,
+        scheduler_addr=f"{host}:{net.scheduler_port}",
+        scheduler_addrs="",  # the local tokenizer routes to the local scheduler only
+        worker_addr=f"{host}:{net.worker_port}",
     )
-    # The local tokenizer routes to the local scheduler only.
-    routing = dataclasses.replace(config.routing, scheduler_addrs="") if config.routing is not None else None
-    return dataclasses.replace(config, network=network, routing=routing)
+    return dataclasses.replace(config, network=network)
 
 
 def service_argv(name: str, config: cfg.Config) -> list[str]:

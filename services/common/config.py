@@ -163,11 +163,6 @@ class ParallelConfig:
 
 @dataclass(slots=True)
 class RoutingConfig:
-    scheduler_addrs: str = _opt(
-        "",
-        "the schedulers of all worker groups, HOST:PORT,... or one DNS name resolving to many (a Kubernetes "
-        "headless Service); empty: the one --scheduler-addr",
-    )
     scheduler_resolve_interval: float = _opt(10.0, "seconds between DNS lookups of --scheduler-addrs names (0: once)")
     routing_policy: str = _opt(
         "cache-aware",
@@ -186,18 +181,11 @@ class RoutingConfig:
 
     def validate(self) -> list[str]:
         errors = []
-        for addr in self.scheduler_addrs.split(","):
-            if addr.strip() and ":" not in addr:
-                errors.append(f"--scheduler-addrs entries must be HOST:PORT, got {addr.strip()!r}")
         if self.scheduler_resolve_interval < 0:
             errors.append(f"--scheduler-resolve-interval must be >= 0, got {self.scheduler_resolve_interval}")
         if self.routing_balance_abs_threshold < 0 or self.routing_balance_rel_threshold < 1:
             errors.append("--routing-balance-abs-threshold must be >= 0 and --routing-balance-rel-threshold >= 1")
         return errors
-
-    def addrs(self, scheduler_addr: str) -> list[str]:
-        """The scheduler addresses the frontend starts from: --scheduler-addrs, else --scheduler-addr."""
-        return list(dict.fromkeys(a.strip() for a in self.scheduler_addrs.split(",") if a.strip())) or [scheduler_addr]
 
 
 @dataclass(slots=True)
@@ -229,6 +217,11 @@ class NetworkConfig:
     worker_port: int = _opt(50053, "worker gRPC port")
     worker_metrics_port: int = _opt(8003, "worker /metrics port")
     scheduler_addr: str = _opt("localhost:50052", "where the tokenizer frontend reaches the scheduler")
+    scheduler_addrs: str = _opt(
+        "",
+        "the schedulers of all worker groups, HOST:PORT,... or one DNS name resolving to many (a Kubernetes "
+        "headless Service); empty: the one --scheduler-addr",
+    )
     worker_addr: str = _opt("localhost:50053", "where the scheduler reaches the worker")
 
     def validate(self) -> list[str]:
@@ -239,7 +232,15 @@ class NetworkConfig:
         for name in ("scheduler_addr", "worker_addr"):
             if ":" not in getattr(self, name):
                 errors.append(f"--{_flag(name)} must be HOST:PORT, got {getattr(self, name)!r}")
+        for addr in self.scheduler_addr_list():
+            if ":" not in addr:
+                errors.append(f"--scheduler-addrs entries must be HOST:PORT, got {addr!r}")
         return errors
+
+    def scheduler_addr_list(self) -> list[str]:
+        """The scheduler addresses the frontend starts from: --scheduler-addrs, else --scheduler-addr."""
+        listed = (a.strip() for a in self.scheduler_addrs.split(","))
+        return list(dict.fromkeys(a for a in listed if a)) or [self.scheduler_addr]
 
 
 ALL_SECTIONS = (

@@ -73,7 +73,7 @@ async def start_tokenizer(
     server = new_server()
     health = Health(server, [SERVICE_NAME])
     routing = config.routing or RoutingConfig()
-    addrs = routing.addrs(config.network.scheduler_addr)
+    addrs = config.network.scheduler_addr_list()
     state = ModelState(
         ", ".join(addrs),
         tokenizer=tokenizer,

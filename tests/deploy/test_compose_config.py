@@ -135,3 +135,14 @@ def test_grafana_is_provisioned_with_the_dashboard_and_prometheus():
     assert provider["providers"][0]["options"]["path"] == dash_dir
     source = yaml.safe_load((compose.ROOT / "docker/grafana/provisioning/datasources/prometheus.yml").read_text())
     assert source["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def test_a_second_group_comes_with_the_two_groups_profile_and_the_tokenizer_routes_over_both():
+    services = compose.load(environ={"KVGRID_SCHEDULER_ADDRS": "scheduler:50052,scheduler2:50052"})["services"]
+    assert services["worker2"]["profiles"] == services["scheduler2"]["profiles"] == ["two-groups"]
+    assert compose.environment(services["scheduler2"])["KVGRID_WORKER_ADDR"] == "worker2:50053"
+    assert services["scheduler2"]["depends_on"] == {"worker2": {"condition": "service_healthy"}}
+    assert services["worker2"]["image"] == services["worker"]["image"]
+    addrs = compose.environment(services["tokenizer"])["KVGRID_SCHEDULER_ADDRS"]
+    assert cfg.NetworkConfig(scheduler_addrs=addrs).scheduler_addr_list() == ["scheduler:50052", "scheduler2:50052"]
+    assert compose.environment(compose.load()["services"]["tokenizer"])["KVGRID_SCHEDULER_ADDRS"] == ""

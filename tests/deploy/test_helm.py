@@ -200,7 +200,7 @@ def test_each_scheduler_dials_its_own_worker_through_the_headless_service(render
 def test_tokenizer_reaches_the_schedulers(rendered, variant):
     objects = rendered[variant]
     tokenizer = _one(objects, "Deployment", "tokenizer")
-    host, port = _env(tokenizer["spec"]["template"]["spec"]["containers"][0])["KVGRID_SCHEDULER_ADDR"].split(":")
+    host, port = _env(tokenizer["spec"]["template"]["spec"]["containers"][0])["KVGRID_SCHEDULER_ADDRS"].split(":")
     service = _one(objects, "Service", "scheduler")
     assert host == f"{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
     assert service["spec"]["clusterIP"] == "None"

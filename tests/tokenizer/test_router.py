@@ -6,7 +6,7 @@ import socket
 from collections import Counter
 
 from kvgrid.v1 import scheduler_pb2
-from services.common.config import RoutingConfig
+from services.common.config import NetworkConfig, RoutingConfig
 from services.tokenizer import discovery
 from services.tokenizer.group_view import ROUTED_TTL_S, GroupView
 from services.tokenizer.router import Candidate, choose
@@ -88,6 +88,8 @@ def test_discovery_keeps_literals_and_single_names_and_expands_names_with_many_a
 
 
 def test_scheduler_addrs_fall_back_to_the_single_scheduler_addr():
-    assert RoutingConfig().addrs("h:1") == ["h:1"]
-    assert RoutingConfig(scheduler_addrs="a:1, b:2,a:1").addrs("h:1") == ["a:1", "b:2"]
-    assert RoutingConfig(scheduler_addrs="nohost").validate()
+    assert NetworkConfig(scheduler_addr="h:1").scheduler_addr_list() == ["h:1"]
+    assert NetworkConfig(scheduler_addrs="a:1, b:2,a:1").scheduler_addr_list() == ["a:1", "b:2"]
+    assert NetworkConfig(scheduler_addrs="a:1,nohost").validate() == [
+        "--scheduler-addrs entries must be HOST:PORT, got 'nohost'"
+    ]

@@ -1,0 +1,162 @@
+"""Round-robin against kvgrid's cache-aware routing over two worker groups, on one workload, in one run.
+
+    python -m benchmarks.routing_bench [--users 16] [--requests-per-user 4] [--system-len 384]
+        [--question-len 16] [--output-len 16] [--kv-cache-memory 40MiB] [--model DIR]
+
+Two scheduler+worker groups start once; two frontends route over both, one with
+``--routing-policy round-robin``, one with the default (prefix overlap and load). Each
+phase runs the same shape with its own prompts (so neither finds the other's cache):
+every user has its own long system prompt and sends its requests one after the other
+(system prompt + a new question each), all users at once. The KV cache of a group is
+sized to hold about two thirds of all system prompts: round-robin makes both groups
+cache every user's prompt and evict, routing by prefix keeps each user on one group.
+Reported per phase: prefix-cache hit rate (from the groups' GetStats), request and
+token throughput, TTFT p50/p99; then the ratios cache-aware / round-robin. JSON to
+``benchmarks/results/routing_bench.json``. The model is a random Llama (hidden 256,
+4 layers, float32 on CPU) unless ``--model`` names one; absolute numbers drift on a
+shared machine, the ratios of one run are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import random
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from kvgrid.bench import percentile, run_one  # noqa: E402
+from kvgrid.v1 import generate_pb2_grpc  # noqa: E402
+from services.common.server import insecure_channel  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).parent / "results" / "routing_bench.json"
+MODEL_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=2048,
+)
+
+
+def workload(seed: int, args) -> list[list[list[int]]]:
+    """Per user, the prompts of its requests in order."""
+    rng = random.Random(seed)
+    users = []
+    for _ in range(args.users):
+        system = [rng.randrange(5, 150) for _ in range(args.system_len)]
+        users.append([system + [rng.randrange(5, 150) for _ in range(args.question_len)] for _ in range(args.rpu)])
+    return users
+
+
+async def run_phase(addr: str, users: list[list[list[int]]], output_len: int) -> tuple[list, float]:
+    async with insecure_channel(addr) as channel:
+        stub = generate_pb2_grpc.TextGenerationStub(channel)
+
+        async def user(prompts):
+            return [await run_one(stub, prompt, output_len, 300) for prompt in prompts]
+
+        start = time.perf_counter()
+        per_user = await asyncio.gather(*(user(prompts) for prompts in users))
+        duration = time.perf_counter() - start
+    return [r for results in per_user for r in results], duration
+
+
+def phase(name: str, frontend, groups, users, args) -> dict:
+    before = [g.stats() for g in groups]
+    results, duration = asyncio.run(run_phase(frontend.addr, users, args.output_len))
+    after = [g.stats() for g in groups]
+    per_group = [a.prefix_cache_queries - b.prefix_cache_queries for a, b in zip(after, before, strict=True)]
+    queries = sum(per_group)
+    hits = sum(a.prefix_cache_hits - b.prefix_cache_hits for a, b in zip(after, before, strict=True))
+    ok = [r for r in results if not r.error]
+    ttfts = [r.ttft * 1000 for r in ok]
+    out = {
+        "policy": name,
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "duration_s": round(duration, 3),
+        "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
+        "requests_per_s": round(len(ok) / duration, 3),
+        "total_tokens_per_s": round(sum(r.prompt_tokens + r.output_tokens for r in ok) / duration, 1),
+        "ttft_p50_ms": round(percentile(ttfts, 50), 1),
+        "ttft_p99_ms": round(percentile(ttfts, 99), 1),
+        "prompt_tokens_per_group": per_group,
+    }
+    print(json.dumps(out))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--users", type=int, default=16)
+    parser.add_argument("--requests-per-user", dest="rpu", type=int, default=4)
+    parser.add_argument("--system-len", type=int, default=384)
+    parser.add_argument("--question-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", default="", help="per group (default: 2/3 of all system prompts)")
+    parser.add_argument("--model", default="", help="HF model directory (default: a random Llama written here)")
+    parser.add_argument("--threads", type=int, default=1, help="math threads per worker")
+    args = parser.parse_args()
+
+    from tests.routing.groups import Frontend, Group
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        model = args.model or write_model(str(tmp / "model"))
+        kv = args.kv_cache_memory or kv_bytes(args)
+        worker_args = ["--kv-cache-memory", str(kv), "--num-threads", str(args.threads), "--max-model-len", "1024"]
+        groups = [Group(f"g{i}", model, tmp, worker_args).start() for i in range(2)]
+        addrs = [g.addr for g in groups]
+        frontends = {
+            "round-robin": Frontend(addrs, tmp / "rr.log", ["--routing-policy", "round-robin"]).start(),
+            "cache-aware": Frontend(addrs, tmp / "ca.log").start(),
+        }
+        try:
+            for part in (*groups, *frontends.values()):
+                part.wait_serving()
+            time.sleep(1.0)  # every frontend's streams to both groups open
+            # Warm-up on prompts of neither phase (first-step costs, allocator).
+            phase("warm-up", frontends["cache-aware"], groups, workload(0, args)[:2], args)
+            results = [
+                phase(name, frontends[name], groups, workload(seed, args), args)
+                for seed, name in ((1, "round-robin"), (2, "cache-aware"))
+            ]
+        finally:
+            for part in (*frontends.values(), *groups):
+                part.stop()
+    rr, ca = results
+    ratios = {
+        "prefix_hit_rate": f"{ca['prefix_hit_rate']:.3f} vs {rr['prefix_hit_rate']:.3f}",
+        "throughput_ratio": round(ca["requests_per_s"] / rr["requests_per_s"], 3),
+        "ttft_p50_ratio": round(ca["ttft_p50_ms"] / rr["ttft_p50_ms"], 3),
+        "ttft_p99_ratio": round(ca["ttft_p99_ms"] / rr["ttft_p99_ms"], 3),
+    }
+    print("cache-aware / round-robin:", json.dumps(ratios))
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"args": vars(args), "phases": results, "ratios": ratios}, indent=2) + "\n")
+
+
+def write_model(path: str) -> str:
+    from tests.worker.tiny import save_tiny_model, save_tiny_tokenizer
+
+    save_tiny_model(path, **MODEL_SHAPE)
+    save_tiny_tokenizer(path)
+    return path
+
+
+def kv_bytes(args) -> int:
+    """A group's KV cache: two thirds of every user's system prompt (float32 K and V of MODEL_SHAPE)."""
+    per_token = 2 * MODEL_SHAPE["num_hidden_layers"] * MODEL_SHAPE["num_key_value_heads"] * MODEL_SHAPE["head_dim"] * 4
+    return int(per_token * args.users * args.system_len * 2 / 3)
+
+
+if __name__ == "__main__":
+    main()
