@@ -1,11 +1,13 @@
 """Round-robin against kvgrid's cache-aware routing over two worker groups, on one workload, in one run.
 
-    python -m benchmarks.routing_bench [--users 16] [--requests-per-user 4] [--system-len 384]
-        [--question-len 16] [--output-len 16] [--kv-cache-memory 40MiB] [--model DIR]
+    python -m benchmarks.routing_bench [--users 32] [--requests-per-user 8] [--system-len 384]
+        [--question-len 16] [--output-len 16] [--kv-cache-memory BYTES] [--model DIR] [--rounds 2]
+        [--routing-args "--routing-load-weight 0.5 ..."]
 
 Two scheduler+worker groups start once; two frontends route over both, one with
 ``--routing-policy round-robin``, one with the default (prefix overlap and load). Each
-phase runs the same shape with its own prompts (so neither finds the other's cache):
+phase runs the same shape with its own prompts (so none finds another's cache), the
+policies alternating A-B-B-A over ``--rounds`` phases each:
 every user has its own long system prompt and sends its requests one after the other
 (system prompt + a new question each), all users at once. The KV cache of a group is
 sized to hold about two thirds of all system prompts: round-robin makes both groups
@@ -27,6 +29,7 @@ import pathlib
 import random
 import tempfile
 import time
+from dataclasses import dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -66,29 +69,54 @@ async def run_phase(addr: str, users: list[list[list[int]]], output_len: int) ->
         start = time.perf_counter()
         per_user = await asyncio.gather(*(user(prompts) for prompts in users))
         duration = time.perf_counter() - start
-    return [r for results in per_user for r in results], duration
+    return per_user, duration
 
 
-def phase(name: str, frontend, groups, users, args) -> dict:
+@dataclass
+class Phase:
+    per_user: list  # per user, its RequestResults in order
+    duration: float
+    queries: list[int]  # prompt tokens each group looked up in its prefix cache
+    hits: list[int]  # of those, tokens found
+
+
+def run_policy(frontend, groups, users, output_len: int) -> Phase:
     before = [g.stats() for g in groups]
-    results, duration = asyncio.run(run_phase(frontend.addr, users, args.output_len))
+    per_user, duration = asyncio.run(run_phase(frontend.addr, users, output_len))
     after = [g.stats() for g in groups]
-    per_group = [a.prefix_cache_queries - b.prefix_cache_queries for a, b in zip(after, before, strict=True)]
-    queries = sum(per_group)
-    hits = sum(a.prefix_cache_hits - b.prefix_cache_hits for a, b in zip(after, before, strict=True))
+    pairs = list(zip(after, before, strict=True))
+    return Phase(
+        per_user,
+        duration,
+        [a.prefix_cache_queries - b.prefix_cache_queries for a, b in pairs],
+        [a.prefix_cache_hits - b.prefix_cache_hits for a, b in pairs],
+    )
+
+
+def summarize(name: str, phases: list[Phase]) -> dict:
+    """The phases of one policy pooled: rates over their summed durations, percentiles over all requests."""
+    results = [r for p in phases for user in p.per_user for r in user]
     ok = [r for r in results if not r.error]
+    duration = sum(p.duration for p in phases)
     ttfts = [r.ttft * 1000 for r in ok]
+    # A user's first request finds no cache under either policy; the later ones show the routing.
+    first = [user[0].ttft * 1000 for p in phases for user in p.per_user if not user[0].error]
+    later = [r.ttft * 1000 for p in phases for user in p.per_user for r in user[1:] if not r.error]
+    queries = sum(sum(p.queries) for p in phases)
     out = {
         "policy": name,
         "requests": len(results),
         "failed": len(results) - len(ok),
         "duration_s": round(duration, 3),
-        "prefix_hit_rate": round(hits / queries, 4) if queries else 0.0,
+        "prefix_hit_rate": round(sum(sum(p.hits) for p in phases) / queries, 4) if queries else 0.0,
         "requests_per_s": round(len(ok) / duration, 3),
         "total_tokens_per_s": round(sum(r.prompt_tokens + r.output_tokens for r in ok) / duration, 1),
         "ttft_p50_ms": round(percentile(ttfts, 50), 1),
         "ttft_p99_ms": round(percentile(ttfts, 99), 1),
-        "prompt_tokens_per_group": per_group,
+        "first_request_ttft_p50_ms": round(percentile(first, 50), 1),
+        "later_requests_ttft_p50_ms": round(percentile(later, 50), 1),
+        "later_requests_ttft_p99_ms": round(percentile(later, 99), 1),
+        "prompt_tokens_per_group": [sum(p.queries[i] for p in phases) for i in range(len(phases[0].queries))],
     }
     print(json.dumps(out))
     return out
@@ -96,14 +124,16 @@ def phase(name: str, frontend, groups, users, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--users", type=int, default=16)
-    parser.add_argument("--requests-per-user", dest="rpu", type=int, default=4)
+    parser.add_argument("--users", type=int, default=32)
+    parser.add_argument("--requests-per-user", dest="rpu", type=int, default=8)
     parser.add_argument("--system-len", type=int, default=384)
     parser.add_argument("--question-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--kv-cache-memory", default="", help="per group (default: 2/3 of all system prompts)")
     parser.add_argument("--model", default="", help="HF model directory (default: a random Llama written here)")
     parser.add_argument("--threads", type=int, default=1, help="math threads per worker")
+    parser.add_argument("--rounds", type=int, default=2, help="phases per policy, in A-B-B-A order")
+    parser.add_argument("--routing-args", default="", help="more flags for the cache-aware frontend (--routing-*)")
     args = parser.parse_args()
 
     from tests.routing.groups import Frontend, Group
@@ -117,18 +147,21 @@ def main() -> None:
         addrs = [g.addr for g in groups]
         frontends = {
             "round-robin": Frontend(addrs, tmp / "rr.log", ["--routing-policy", "round-robin"]).start(),
-            "cache-aware": Frontend(addrs, tmp / "ca.log").start(),
+            "cache-aware": Frontend(addrs, tmp / "ca.log", args.routing_args.split()).start(),
         }
         try:
             for part in (*groups, *frontends.values()):
                 part.wait_serving()
             time.sleep(1.0)  # every frontend's streams to both groups open
-            # Warm-up on prompts of neither phase (first-step costs, allocator).
-            phase("warm-up", frontends["cache-aware"], groups, workload(0, args)[:2], args)
-            results = [
-                phase(name, frontends[name], groups, workload(seed, args), args)
-                for seed, name in ((1, "round-robin"), (2, "cache-aware"))
-            ]
+            # Warm-up on prompts of no phase (first-step costs, allocator).
+            run_policy(frontends["cache-aware"], groups, workload(0, args)[:2], args.output_len)
+            # A-B-B-A...: a drift in the machine's load over the run weighs on both policies alike.
+            order = [["round-robin", "cache-aware"], ["cache-aware", "round-robin"]]
+            names = [name for r in range(args.rounds) for name in order[r % 2]]
+            phases: dict[str, list[Phase]] = {"round-robin": [], "cache-aware": []}
+            for seed, name in enumerate(names, start=1):
+                phases[name].append(run_policy(frontends[name], groups, workload(seed, args), args.output_len))
+            results = [summarize(name, phases[name]) for name in ("round-robin", "cache-aware")]
         finally:
             for part in (*frontends.values(), *groups):
                 part.stop()

@@ -111,6 +111,7 @@ class Router:
         self.groups: dict[str, Group] = {}
         self._turn = 0
         self._refresh_task: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()  # clients of groups no longer resolved, being closed
 
     def start(self) -> None:
         self._update(resolve_all(self._spec))
@@ -177,7 +178,9 @@ class Router:
         for addr in [addr for addr in self.groups if addr not in addrs]:
             group = self.groups.pop(addr)
             log.info("scheduler group %s removed (no longer resolved)", addr)
-            asyncio.get_running_loop().create_task(group.client.close(f"the scheduler group {addr} was removed"))
+            task = asyncio.get_running_loop().create_task(group.client.close(f"the scheduler group {addr} was removed"))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         self._on_change()
 
     def _on_change(self) -> None:

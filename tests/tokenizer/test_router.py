@@ -93,3 +93,33 @@ def test_scheduler_addrs_fall_back_to_the_single_scheduler_addr():
     assert NetworkConfig(scheduler_addrs="a:1,nohost").validate() == [
         "--scheduler-addrs entries must be HOST:PORT, got 'nohost'"
     ]
+
+
+def test_the_router_follows_dns_and_routes_only_to_groups_that_are_up(monkeypatch):
+    import asyncio
+
+    from services.tokenizer import router as router_module
+    from services.tokenizer.model_state import ModelState
+
+    answers = [["127.0.0.1:1", "127.0.0.2:1"], ["127.0.0.2:1", "127.0.0.3:1"]]
+    monkeypatch.setattr(router_module, "resolve_all", lambda spec: answers[0])
+
+    async def body():
+        router = router_module.Router(
+            ["schedulers:1"], ModelState("schedulers:1"), RoutingConfig(scheduler_resolve_interval=0.05)
+        )
+        router.start()
+        try:
+            assert list(router.groups) == ["127.0.0.1:1", "127.0.0.2:1"]
+            up = router.groups["127.0.0.2:1"]
+            up.state.set_scheduler_serving(True)
+            up.client._connected.set()
+            assert router._state.scheduler_serving  # the frontend serves while any group does
+            assert {router.pick([i] * 40).addr for i in range(20)} == {"127.0.0.2:1"}
+            answers.pop(0)
+            await asyncio.sleep(0.3)
+            assert sorted(router.groups) == ["127.0.0.2:1", "127.0.0.3:1"]
+        finally:
+            await router.close()
+
+    asyncio.run(body())
