@@ -11,6 +11,7 @@ so a slow frontend gets fewer, larger messages and never a growing queue.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -25,6 +26,9 @@ from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestOutput
 
 log = logging.getLogger(__name__)
+
+# Block hashes in one message's KvEvents (about 10 bytes each on the wire).
+MAX_KV_EVENTS = 65536
 
 
 def start_request_span(request_id: str, num_prompt_tokens: int, parent) -> tracing.trace.Span:
@@ -156,9 +160,19 @@ class FrontendStream:
                 message.load.CopyFrom(self._load)
                 self._load = None
             if self._kv_cleared or self._kv_changes:
-                fill_kv_events(message.kv_events, self._kv_cleared, self._kv_changes, self._block_size)
-                self._kv_cleared, self._kv_changes = False, {}
+                fill_kv_events(message.kv_events, self._kv_cleared, self._take_kv_changes(), self._block_size)
+                self._kv_cleared = False
             yield message
+
+    def _take_kv_changes(self) -> dict[int, bool]:
+        """At most MAX_KV_EVENTS of the pending changes (a big cache's snapshot goes out over several messages,
+        each well under gRPC's message size limit)."""
+        changes = self._kv_changes
+        if len(changes) <= MAX_KV_EVENTS:
+            self._kv_changes = {}
+            return changes
+        self._ready.set()  # the rest goes in the next message
+        return {value: changes.pop(value) for value in list(itertools.islice(changes, MAX_KV_EVENTS))}
 
     def close(self) -> None:
         """The stream is gone: abort (and free) every request it still has."""

@@ -111,10 +111,12 @@ class Router:
         self.groups: dict[str, Group] = {}
         self._turn = 0
         self._refresh_task: asyncio.Task | None = None
-        self._closing: set[asyncio.Task] = set()  # clients of groups no longer resolved, being closed
+        # Groups DNS no longer lists (e.g. a scheduler not ready while its worker restarts): out of rotation, but
+        # their requests in flight go on (a restarted worker resumes them); closed once they have none.
+        self._retired: dict[str, Group] = {}
 
-    def start(self) -> None:
-        self._update(resolve_all(self._spec))
+    async def start(self) -> None:
+        await self._update(await asyncio.to_thread(resolve_all, self._spec))
         if not all(is_literal(addr) for addr in self._spec) and self.config.scheduler_resolve_interval > 0:
             self._refresh_task = asyncio.create_task(self._refresh(), name="scheduler-resolve")
 
@@ -123,7 +125,7 @@ class Router:
             self._refresh_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresh_task
-        await asyncio.gather(*(group.client.close() for group in self.groups.values()))
+        await asyncio.gather(*(group.client.close() for group in self._all()))
 
     async def submit(
         self,
@@ -132,12 +134,12 @@ class Router:
         sampling: common_pb2.SamplingParams,
         trace_context: dict[str, str],
     ) -> RequestHandle:
-        if any(group.client.has(request_id) for group in self.groups.values()):
+        if any(group.client.has(request_id) for group in self._all()):
             raise AlreadyExists(f"request_id: a live request already has id {request_id!r}")
         return await self.pick(prompt_ids).client.submit(request_id, prompt_ids, sampling, trace_context)
 
     def abort(self, request_id: str) -> None:
-        for group in self.groups.values():
+        for group in self._all():
             if group.client.has(request_id):
                 group.client.abort(request_id)
 
@@ -169,18 +171,25 @@ class Router:
         chosen.client.view.note_routed(hashes_by_size[chosen.block_size])
         return chosen
 
-    def _update(self, addrs: list[str]) -> None:
+    def _all(self) -> list[Group]:
+        return [*self.groups.values(), *self._retired.values()]
+
+    async def _update(self, addrs: list[str]) -> None:
         for addr in addrs:
-            if addr not in self.groups:
+            if addr in self._retired:
+                self.groups[addr] = self._retired.pop(addr)
+                log.info("scheduler group %s is back in rotation", addr)
+            elif addr not in self.groups:
                 group = self.groups[addr] = Group(addr, self._state, self._on_change)
                 group.client.start()
                 log.info("scheduler group %s added", addr)
         for addr in [addr for addr in self.groups if addr not in addrs]:
-            group = self.groups.pop(addr)
-            log.info("scheduler group %s removed (no longer resolved)", addr)
-            task = asyncio.get_running_loop().create_task(group.client.close(f"the scheduler group {addr} was removed"))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            self._retired[addr] = self.groups.pop(addr)
+            log.info("scheduler group %s is no longer resolved: out of rotation", addr)
+        for addr, group in list(self._retired.items()):
+            if group.client.num_in_flight == 0:
+                del self._retired[addr]
+                await group.client.close(f"the scheduler group {addr} was removed")
         self._on_change()
 
     def _on_change(self) -> None:
@@ -189,4 +198,4 @@ class Router:
     async def _refresh(self) -> None:
         while True:
             await asyncio.sleep(self.config.scheduler_resolve_interval)
-            self._update(await asyncio.to_thread(resolve_all, self._spec))
+            await self._update(await asyncio.to_thread(resolve_all, self._spec))

@@ -92,7 +92,7 @@ async def start_tokenizer(
     except OSError:
         await server.stop(None)
         raise
-    engine.start()
+    await engine.start()
     log.info(
         "tokenizer frontend on %s:%d (HTTP %d), schedulers at %s (%s routing)",
         config.network.host,

@@ -68,3 +68,23 @@ def test_a_frontend_learns_the_load_and_every_cached_prefix_including_those_of_o
             b.call.cancel()
 
     asyncio.run(asyncio.wait_for(body(), 100))
+
+
+def test_a_big_snapshot_goes_out_over_several_messages_in_order(monkeypatch):
+    from services.scheduler import frontends
+
+    monkeypatch.setattr(frontends, "MAX_KV_EVENTS", 3)
+
+    async def body():
+        stream = frontends.FrontendStream("peer", lambda request_id: True)
+        stream.publish(scheduler_pb2.GroupLoad(num_running=2), True, dict.fromkeys(range(7), True), 4)
+        stream.publish(None, False, {1: False}, 4)  # evicted before it was sent: sent as removed, once
+        messages = stream.messages()
+        got = [await anext(messages) for _ in range(3)]
+        assert [m.kv_events.cleared for m in got] == [True, False, False]
+        assert got[0].load.num_running == 2 and not got[1].HasField("load")
+        assert [list(m.kv_events.stored) for m in got] == [[0, 2], [3, 4, 5], [6]]
+        assert [list(m.kv_events.removed) for m in got] == [[1], [], []]
+        assert all(m.kv_events.block_size == 4 for m in got)
+
+    asyncio.run(asyncio.wait_for(body(), 10))

@@ -108,7 +108,7 @@ def test_the_router_follows_dns_and_routes_only_to_groups_that_are_up(monkeypatc
         router = router_module.Router(
             ["schedulers:1"], ModelState("schedulers:1"), RoutingConfig(scheduler_resolve_interval=0.05)
         )
-        router.start()
+        await router.start()
         try:
             assert list(router.groups) == ["127.0.0.1:1", "127.0.0.2:1"]
             up = router.groups["127.0.0.2:1"]
@@ -116,9 +116,17 @@ def test_the_router_follows_dns_and_routes_only_to_groups_that_are_up(monkeypatc
             up.client._connected.set()
             assert router._state.scheduler_serving  # the frontend serves while any group does
             assert {router.pick([i] * 40).addr for i in range(20)} == {"127.0.0.2:1"}
+            # A group that drops out of DNS keeps its requests in flight until they are done.
+            busy = router.groups["127.0.0.1:1"].client
+            busy._fail_all = lambda reason: None  # nothing listens there: keep the pretended request
+            busy._handles["busy"] = None
             answers.pop(0)
             await asyncio.sleep(0.3)
             assert sorted(router.groups) == ["127.0.0.2:1", "127.0.0.3:1"]
+            assert list(router._retired) == ["127.0.0.1:1"]
+            busy._handles.clear()
+            await asyncio.sleep(0.3)
+            assert not router._retired
         finally:
             await router.close()
 
