@@ -1,6 +1,6 @@
 """Round-robin against kvgrid's cache-aware routing over two worker groups, on one workload, in one run.
 
-    python -m benchmarks.routing_bench [--users 32] [--requests-per-user 8] [--system-len 384]
+    python -m benchmarks.routing_bench [--users 32] [--requests-per-user 8] [--system-len 384] [--system-prompts 0]
         [--question-len 16] [--output-len 16] [--kv-cache-memory BYTES] [--model DIR] [--rounds 2]
         [--routing-args "--routing-load-weight 0.5 ..."]
 
@@ -16,7 +16,9 @@ Reported per phase: prefix-cache hit rate (from the groups' GetStats), request a
 token throughput, TTFT p50/p99; then the ratios cache-aware / round-robin. JSON to
 ``benchmarks/results/routing_bench.json``. The model is a random Llama (hidden 256,
 4 layers, float32 on CPU) unless ``--model`` names one; absolute numbers drift on a
-shared machine, the ratios of one run are what to compare.
+shared machine, the ratios of one run are what to compare. ``--system-prompts 1`` (everyone
+shares one prompt) checks the other side: prefix affinity alone would pile every request
+on one group, and the load balance has to spread them.
 """
 
 from __future__ import annotations
@@ -52,9 +54,12 @@ MODEL_SHAPE = dict(
 def workload(seed: int, args) -> list[list[list[int]]]:
     """Per user, the prompts of its requests in order."""
     rng = random.Random(seed)
+    systems = [
+        [rng.randrange(5, 150) for _ in range(args.system_len)] for _ in range(args.system_prompts or args.users)
+    ]
     users = []
-    for _ in range(args.users):
-        system = [rng.randrange(5, 150) for _ in range(args.system_len)]
+    for i in range(args.users):
+        system = systems[i % len(systems)]
         users.append([system + [rng.randrange(5, 150) for _ in range(args.question_len)] for _ in range(args.rpu)])
     return users
 
@@ -127,6 +132,9 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--requests-per-user", dest="rpu", type=int, default=8)
     parser.add_argument("--system-len", type=int, default=384)
+    parser.add_argument(
+        "--system-prompts", type=int, default=0, help="distinct system prompts, users share them (0: one per user)"
+    )
     parser.add_argument("--question-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--kv-cache-memory", default="", help="per group (default: 2/3 of all system prompts)")
@@ -186,9 +194,10 @@ def write_model(path: str) -> str:
 
 
 def kv_bytes(args) -> int:
-    """A group's KV cache: two thirds of every user's system prompt (float32 K and V of MODEL_SHAPE)."""
+    """A group's KV cache: two thirds of all system prompts, and never under 8 of them (float32 K and V of
+    MODEL_SHAPE)."""
     per_token = 2 * MODEL_SHAPE["num_hidden_layers"] * MODEL_SHAPE["num_key_value_heads"] * MODEL_SHAPE["head_dim"] * 4
-    return int(per_token * args.users * args.system_len * 2 / 3)
+    return int(per_token * max(args.system_prompts or args.users, 8) * args.system_len * 2 / 3)
 
 
 if __name__ == "__main__":
