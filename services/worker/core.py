@@ -15,7 +15,8 @@ from .engine import LoadedModel, create_runner, max_model_len
 from .loader import ModelLoadError, eos_token_ids, load_tokenizer, tokenizer_files
 from .memory import MemoryFigures
 from .model_runner import ModelRunner
-from .parallel.ranks import Ranks, load_rank, plan_rank, start_ranks, tensor_parallel_size
+from .parallel.plan import load_rank, plan_rank, tensor_parallel_size
+from .parallel.ranks import Ranks, start_ranks
 from .sampling_params import RequestSampling
 from .state import RequestStates
 from .structured import GrammarCache

@@ -8,8 +8,10 @@ The real processes (gloo, a killed rank) are tested end to end in tests/e2e/test
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,8 +19,10 @@ import torch
 from services.common.config import build_config
 from services.worker.engine import create_runner, load_model
 from services.worker.loader import ModelLoadError
+from services.worker.model_runner import ModelRunner
 from services.worker.models.llama import LlamaArgs
-from services.worker.parallel.ranks import check_options, pack_step, plan_rank, serve_steps
+from services.worker.parallel.follower import pack_step, serve_steps
+from services.worker.parallel.plan import check_options, plan_rank
 from services.worker.parallel.sharding import attach_all_reduce, check_size, divisible_sizes, shard_weights
 from tests.worker.test_cli_errors import _one_error_line, _run_worker
 from tests.worker.tiny import request, run_logits, save_tiny_model
@@ -45,9 +49,31 @@ class ThreadGroup:
         return all_reduce
 
 
-def load(path: str, rank: int = 0, size: int = 1):
-    loaded = load_model(path, dtype="float32", device="cpu", cpu_kernels="torch", tp_rank=rank, tp_size=size)
+def load(path: str, rank: int = 0, size: int = 1, quantization: str = "none"):
+    loaded = load_model(
+        path, dtype="float32", device="cpu", cpu_kernels="torch", quantization=quantization, tp_rank=rank, tp_size=size
+    )
     return loaded, create_runner(loaded, BLOCK_SIZE, NUM_BLOCKS)
+
+
+@contextlib.contextmanager
+def two_ranks(path: str, quantization: str = "none") -> Iterator[ModelRunner]:
+    """Rank 0's runner; rank 1 runs in a thread, fed each step over a pipe until the block ends."""
+    group = ThreadGroup(2)
+    shards = [load(path, rank, 2, quantization) for rank in range(2)]
+    for rank, (loaded, _) in enumerate(shards):
+        attach_all_reduce(loaded.model, group.all_reduce_of(rank))
+    rank0, rank1 = shards[0][1], shards[1][1]
+    receive, send = multiprocessing.Pipe(duplex=False)
+    rank0.step_listener = lambda inputs: send.send(pack_step(inputs))
+    follower = threading.Thread(target=serve_steps, args=(receive, rank1), daemon=True)
+    follower.start()
+    try:
+        yield rank0
+    finally:
+        send.send(None)
+        follower.join(10)
+    assert not follower.is_alive()
 
 
 @pytest.fixture(
@@ -69,16 +95,7 @@ def steps() -> list[list]:
 
 def test_two_ranks_give_the_logits_of_one(model_dir):
     _, full = load(model_dir)
-    group = ThreadGroup(2)
-    shards = [load(model_dir, rank, 2) for rank in range(2)]
-    for rank, (loaded, _) in enumerate(shards):
-        attach_all_reduce(loaded.model, group.all_reduce_of(rank))
-    rank0, rank1 = shards[0][1], shards[1][1]
-    receive, send = multiprocessing.Pipe(duplex=False)
-    rank0.step_listener = lambda inputs: send.send(pack_step(inputs))
-    follower = threading.Thread(target=serve_steps, args=(receive, rank1), daemon=True)
-    follower.start()
-    try:
+    with two_ranks(model_dir) as rank0:
         reference, sharded = steps(), steps()
         for step_ref, step_tp in zip(reference, sharded, strict=True):
             want, got = run_logits(full, step_ref), run_logits(rank0, step_tp)
@@ -91,10 +108,20 @@ def test_two_ranks_give_the_logits_of_one(model_dir):
                     if token is not None:
                         r.token_ids.append(token)
                     r.num_scheduled_tokens = len(r.token_ids) - r.num_computed_tokens
-    finally:
-        send.send(None)
-        follower.join(10)
-    assert not follower.is_alive()
+
+
+def test_int8_shards_are_as_close_to_float_as_unsharded_int8(model_dir):
+    """Row-parallel shards take one scale per output channel of their own columns: not the unsharded
+    int8 numbers, but no further from the float model than they are."""
+    _, full = load(model_dir)
+    _, int8 = load(model_dir, quantization="int8")
+    want = run_logits(full, steps()[0])
+    error = {rid: (run_logits(int8, steps()[0])[rid] - logits).abs().max() for rid, logits in want.items()}
+    with two_ranks(model_dir, "int8") as rank0:
+        got = run_logits(rank0, steps()[0])
+    for rid, logits in want.items():
+        sharded_error = (got[rid] - logits).abs().max()
+        assert 0 < sharded_error <= 3 * error[rid], (rid, sharded_error, error[rid])
 
 
 def test_shards_hold_their_share_of_heads_and_columns(model_dir):
