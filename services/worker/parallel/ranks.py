@@ -96,6 +96,11 @@ class Ranks:
         )
         threading.Thread(target=self._watch, name="kvgrid-tp-watch", daemon=True).start()
 
+    @property
+    def alive(self) -> bool:
+        """Every rank still runs (a dead one brings this process down within moments)."""
+        return all(p.is_alive() for p in self.procs)
+
     def join_group(self) -> DistGroup:
         """Rank 0's place in the process group (blocks until every rank has joined)."""
         self.group = DistGroup(0, self.size, self.plan.init_addr, rank_device(self.plan.config, 0, self.size))
