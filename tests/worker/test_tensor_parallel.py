@@ -22,7 +22,7 @@ from services.worker.loader import ModelLoadError
 from services.worker.model_runner import ModelRunner
 from services.worker.models.llama import LlamaArgs
 from services.worker.parallel.follower import pack_step, serve_steps
-from services.worker.parallel.plan import check_options, plan_rank
+from services.worker.parallel.plan import check_options, plan_rank, rank_device
 from services.worker.parallel.sharding import attach_all_reduce, check_size, divisible_sizes, shard_weights
 from tests.worker.test_cli_errors import _one_error_line, _run_worker
 from tests.worker.tiny import request, run_logits, save_tiny_model
@@ -197,3 +197,13 @@ def test_options_a_sharded_model_cannot_take_are_refused(flags, problem):
     with pytest.raises(ModelLoadError, match=problem):
         check_options(build_config(environ=environ), 2)
     check_options(build_config(environ={}), 2)
+
+
+def test_each_rank_takes_its_own_cuda_device_and_too_few_are_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = build_config(environ={})  # --device auto
+    assert [rank_device(config, rank, 2) for rank in range(2)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    with pytest.raises(ModelLoadError, match="--tensor-parallel-size 4 needs 4 CUDA devices, but 2 are visible"):
+        rank_device(config, 0, 4)
+    assert rank_device(build_config(environ={"KVGRID_DEVICE": "cpu"}), 1, 4) == torch.device("cpu")
