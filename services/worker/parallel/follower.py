@@ -69,6 +69,10 @@ def follower_main(plan: RankPlan, rank: int, conn: multiprocessing.connection.Co
         log.error("rank %d: another rank is gone; exiting", rank)
         sys.exit(1)
     group.close()
+    # Nothing is left to flush but the logs; the interpreter's own teardown of torch and gloo state
+    # took seconds here, which rank 0 (and a SIGTERM's grace) would wait out.
+    logging.shutdown()
+    os._exit(0)
 
 
 @torch.inference_mode()
