@@ -84,7 +84,10 @@ def serve_steps(conn: multiprocessing.connection.Connection, runner: ModelRunner
 
 
 def _die_with(parent_pid: int) -> None:
-    """SIGKILL when rank 0 dies (Linux), even while blocked in a collective that would never return."""
+    """SIGKILL when rank 0 dies (Linux), even while blocked in a collective that would never return.
+
+    The signal follows the *thread* that started this process: rank 0's model thread (or the caller's
+    thread of ``build_core``), which lives as long as the worker does."""
     if sys.platform.startswith("linux"):
         import ctypes
 
