@@ -153,11 +153,13 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class ParallelConfig:
-    tensor_parallel_size: int = _opt(1, "GPUs one worker shards the model over (only 1 is supported)")
+    tensor_parallel_size: int = _opt(
+        1, "devices one worker shards the model over, one process each (must divide the attention and KV heads)"
+    )
 
     def validate(self) -> list[str]:
-        if self.tensor_parallel_size != 1:
-            return [f"--tensor-parallel-size {self.tensor_parallel_size} is not supported; use 1"]
+        if self.tensor_parallel_size < 1:
+            return [f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"]
         return []
 
 

@@ -11,10 +11,12 @@ from services.common.config import Config
 from services.common.default_model import resolve_model
 from services.common.metrics import WorkerMetrics
 
-from .engine import LoadedModel, create_runner, load_model, max_model_len, plan_memory
+from .engine import LoadedModel, create_runner, max_model_len
 from .loader import ModelLoadError, eos_token_ids, load_tokenizer, tokenizer_files
 from .memory import MemoryFigures
 from .model_runner import ModelRunner
+from .parallel.plan import load_rank, plan_rank, tensor_parallel_size
+from .parallel.ranks import Ranks, start_ranks
 from .sampling_params import RequestSampling
 from .state import RequestStates
 from .structured import GrammarCache
@@ -28,6 +30,7 @@ class WorkerCore:
     handshake: worker_pb2.HandshakeResponse
     seed: int | None
     grammars: GrammarCache
+    ranks: Ranks | None = None  # --tensor-parallel-size > 1: ranks 1..N-1, fed each step by the runner
 
     @property
     def max_model_len(self) -> int:
@@ -59,30 +62,27 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         model_path = resolve_model(config.model.model)
     except FileNotFoundError as exc:
         raise ModelLoadError(str(exc)) from exc
-    loaded = load_model(
-        model_path,
-        dtype=config.model.dtype,
-        device=config.device.device,
-        attention_backend=config.device.attention_backend,
-        cpu_kernels=config.device.cpu_kernels,
-        load_format=config.load.load_format,
-        quantization=config.load.quantization,
-    )
-    tokenizer = load_tokenizer(loaded.source)
-    max_len = max_model_len(loaded.args, loaded.hf_config, config.model.max_model_len)
+    size = tensor_parallel_size(config)
+    ranks = None
+    if size > 1:
+        ranks, model_path = start_ranks(config, model_path)
+    try:
+        group = ranks.join_group() if ranks is not None else None
+        loaded = load_rank(config, model_path, 0, size, group)
+        tokenizer = load_tokenizer(loaded.source)
+        max_len = max_model_len(loaded.args, loaded.hf_config, config.model.max_model_len)
+        kv_cache_memory = ranks.plan.kv_cache_memory if ranks is not None else config.cache.kv_cache_memory
+        figures = plan_rank(config, loaded, max_len, kv_cache_memory, group)
+        runner = create_runner(loaded, config.cache.block_size, figures.num_blocks, config.model.seed)
+    except BaseException:
+        if ranks is not None:
+            ranks.kill()
+        raise
     block_size = config.cache.block_size
-    figures = plan_memory(
-        loaded,
-        block_size=block_size,
-        max_len=max_len,
-        kv_cache_memory=config.cache.kv_cache_memory,
-        gpu_memory_utilization=config.cache.gpu_memory_utilization,
-        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-        max_num_seqs=config.scheduler.max_num_seqs,
-        seed=config.model.seed,
-    )
-    runner = create_runner(loaded, block_size, figures.num_blocks, config.model.seed)
-    if loaded.device.type == "cuda" and loaded.attention_backend == "triton":
+    if ranks is not None:
+        ranks.drive(runner)
+        log.info("decode steps run eagerly: no CUDA graphs with --tensor-parallel-size %d", size)
+    elif loaded.device.type == "cuda" and loaded.attention_backend == "triton":
         if config.device.enforce_eager:
             log.info("decode steps run eagerly (--enforce-eager): no CUDA graphs")
         else:
@@ -101,7 +101,7 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         device=str(loaded.device),
         block_size=block_size,
         num_blocks=figures.num_blocks,
-        bytes_per_block=loaded.block_bytes(block_size),
+        bytes_per_block=loaded.block_bytes(block_size) * size,  # all ranks' KV heads
         max_model_len=max_len,
         vocab_size=loaded.args.vocab_size,
         eos_token_ids=eos_token_ids(loaded.source, loaded.hf_config, tokenizer),
@@ -115,7 +115,7 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
     if metrics is not None:
         record_metrics(metrics, loaded, figures)
     grammars = grammar_cache(handshake)
-    return WorkerCore(runner, handshake, config.model.seed, grammars)
+    return WorkerCore(runner, handshake, config.model.seed, grammars, ranks)
 
 
 def grammar_cache(handshake: worker_pb2.HandshakeResponse) -> GrammarCache:

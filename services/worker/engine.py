@@ -23,6 +23,7 @@ from .memory import MemoryFigures, bytes_per_block, check_fits, cpu_figures, cud
 from .model_runner import ModelRunner, profile_cache_blocks
 from .models.llama import LlamaArgs, LlamaForCausalLM
 from .models.llama_cpu import CpuDecodePath
+from .parallel.sharding import check_size, shard_args
 from .quant.install import packed_bytes
 from .sampling import Sampler
 
@@ -86,8 +87,13 @@ def load_model(
     upcast_matmuls: bool | None = None,
     cpu_kernels: str = "auto",
     quantization: str = "none",
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> LoadedModel:
     """Raises ModelLoadError (one line) for a bad path, architecture or file.
+
+    ``tp_rank`` of ``tp_size``: load only that rank's share of the weights (see ``parallel/sharding.py``);
+    the returned ``args`` are the rank's shapes, so its KV cache holds only its KV heads.
 
     ``upcast_matmuls`` (None: auto) multiplies half-precision weights in float32, which is what a
     CPU without bfloat16 units should do (see ``models.llama.Linear``). ``cpu_kernels``: see
@@ -101,11 +107,17 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, torch_device)
     check_quantization(quantization, source, torch_device)
     hf_config, args = read_config(source)
+    if tp_size > 1:
+        try:
+            check_size(args, tp_size)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
+        args = shard_args(args, tp_size)
     try:
         backend = get_backend(attention_backend, str(torch_device))
     except (RuntimeError, ValueError, ImportError) as exc:  # e.g. TritonUnavailable: triton on a CPU
         raise ModelLoadError(f"--attention-backend {attention_backend}: {exc}") from exc
-    model = build_model(source, hf_config, args, backend, torch_dtype, torch_device, quantization)
+    model = build_model(source, hf_config, args, backend, torch_dtype, torch_device, quantization, (tp_rank, tp_size))
     if upcast_matmuls is None:
         upcast_matmuls = torch_device.type == "cpu" and torch_dtype != torch.float32 and not detect_cpu().bf16_units
     if upcast_matmuls:

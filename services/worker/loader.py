@@ -20,6 +20,7 @@ import torch
 from .attention.base import AttentionBackend
 from .models.llama import ARCHITECTURES, LlamaArgs, LlamaForCausalLM
 from .models.rope import RopeError, inverse_frequencies
+from .parallel.sharding import shard_weights
 from .quant.load import quantize_loaded, quantized_weights
 
 log = logging.getLogger(__name__)
@@ -118,13 +119,16 @@ def build_model(
     dtype: torch.dtype,
     device,
     quantization: str = "none",
+    shard: tuple[int, int] = (0, 1),
 ) -> LlamaForCausalLM:
+    """``args`` are the shapes to build; with ``shard`` (rank, size) of size > 1, those of one tensor-parallel rank."""
     with torch.device("meta"):
         model = LlamaForCausalLM(args, backend).to(dtype)
     model.to_empty(device=device)
     try:
         with torch.no_grad():
-            model.load_weights(quantized_weights(source, args, quantization) or iter_weights(source, hf_config))
+            weights = quantized_weights(source, args, quantization) or iter_weights(source, hf_config)
+            model.load_weights(shard_weights(weights, *shard) if shard[1] > 1 else weights)
             quantize_loaded(model, quantization)
     except Exception as exc:
         raise ModelLoadError(f"cannot load the weights of {source.path!r}: {_one_line(exc)}") from exc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,8 @@ class ModelRunner:
         self.sampler = sampler
         self.device = torch.device(device)
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs, see use_decode_graphs
+        # Tensor parallel: gets each step's inputs before the forward, to run it on the other ranks too.
+        self.step_listener: Callable[[StepInputs], None] | None = None
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Decode steps of up to ``max_num_seqs`` requests through ``DecodeGraphs``; ``capture`` on CUDA
@@ -111,6 +114,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, inputs: StepInputs) -> torch.Tensor:  # [R, vocab]
+        if self.step_listener is not None:
+            self.step_listener(inputs)
         graphs, meta = self.graphs, inputs.meta
         if graphs is not None and graphs.takes(meta) and len(inputs.sampling_requests) == meta.num_seqs:
             return graphs.run(inputs.input_ids, inputs.positions, meta)  # every row samples, in batch order

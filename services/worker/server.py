@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -15,6 +16,7 @@ from services.common.metrics import WorkerMetrics
 from services.common.server import Health, add_reflection, bind, new_server
 
 from .core import WorkerCore, build_core
+from .parallel.ranks import exit_now
 from .service import WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ class RunningWorker:
         if self.servicer.num_requests:
             log.warning("%d requests still held after the %gs shutdown grace", self.servicer.num_requests, grace)
         await self.server.stop(0.5)
+        if self.core.ranks is not None:  # after the last step: the model thread sends the ranks their stop
+            await asyncio.get_running_loop().run_in_executor(self.servicer.model_thread, self.core.ranks.stop)
         self.servicer.shutdown()
 
 
@@ -69,6 +73,23 @@ async def start_worker(
         servicer.shutdown()
         raise
     servicer.attach(core)
+    if core.ranks is not None:
+        core.ranks.on_lost = _go_down(asyncio.get_running_loop(), server, health)
     health.set(True)
     log.info("worker ready: %d KV blocks", core.handshake.num_blocks)
     return RunningWorker(server, bound, servicer, health, core)
+
+
+def _go_down(loop: asyncio.AbstractEventLoop, server: grpc.aio.Server, health: Health) -> Callable[[str], None]:
+    """What rank 0 does when another tensor-parallel rank dies: NOT_SERVING, end every stream (the
+    scheduler sees UNAVAILABLE and re-dials), close the port, and end the process with status 1."""
+
+    async def down(reason: str) -> None:
+        health.set(False)
+        await server.stop(0)
+        exit_now(reason)
+
+    def on_lost(reason: str) -> None:  # called on the ranks' watch thread
+        asyncio.run_coroutine_threadsafe(down(reason), loop)
+
+    return on_lost

@@ -53,6 +53,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         core = self._ready()
         if self.draining:
             raise Unavailable("the worker is shutting down; dial its replacement")
+        if core.ranks is not None and not core.ranks.alive:
+            raise Unavailable("a tensor-parallel rank is gone and the worker is going down; dial its replacement")
         log.info("handshake from scheduler %r", request.scheduler_id or "?")
         return core.handshake
 

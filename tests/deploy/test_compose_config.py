@@ -52,6 +52,15 @@ def test_docker_compose_accepts_the_gpu_variant():
     assert worker["healthcheck"]["test"][-1] == "localhost:50053"
 
 
+def test_the_gpu_variant_reserves_one_gpu_per_tensor_parallel_rank(monkeypatch):
+    monkeypatch.setenv("KVGRID_TENSOR_PARALLEL_SIZE", "2")
+    rendered = yaml.safe_load(_compose_config(compose.COMPOSE_FILE, compose.GPU_COMPOSE_FILE))
+    worker = rendered["services"]["worker"]
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert int(device["count"]) == 2
+    assert worker["environment"]["KVGRID_TENSOR_PARALLEL_SIZE"] == "2"
+
+
 @pytest.mark.parametrize("name", compose.KVGRID_SERVICES)
 def test_kvgrid_services_are_configured_by_known_variables(name):
     env = compose.environment(compose.load()["services"][name])

@@ -132,6 +132,18 @@ def test_cpu_values_request_no_gpu(rendered):
     assert pod["containers"][0]["image"].endswith(":cpu")
 
 
+@pytest.mark.parametrize(("gpu_count", "gpus"), [(1, 4), (0, None)])
+def test_a_tensor_parallel_worker_requests_one_gpu_per_rank(chart, gpu_count, gpus):
+    values = {"config": {"KVGRID_TENSOR_PARALLEL_SIZE": "4"}, "worker": {"gpu": {"count": gpu_count}}}
+    objects, _ = _render(chart, values)
+    worker = _one(objects, "StatefulSet", "worker")["spec"]["template"]["spec"]["containers"][0]
+    resources = worker["resources"]
+    assert resources["requests"].get("nvidia.com/gpu") == gpus and resources["limits"].get("nvidia.com/gpu") == gpus
+    configmap = _kind(objects, "ConfigMap")[0]
+    assert configmap["data"]["KVGRID_TENSOR_PARALLEL_SIZE"] == "4"  # the worker's --tensor-parallel-size
+    assert worker["envFrom"][0]["configMapRef"]["name"] == configmap["metadata"]["name"]
+
+
 def _port_numbers(container: dict) -> tuple[set[int], set[str]]:
     ports = container.get("ports", [])
     return {p["containerPort"] for p in ports}, {p["name"] for p in ports if "name" in p}
@@ -244,6 +256,7 @@ def test_config_values_reach_the_configmap(chart):
         {"config": {"KVGRID_MAX_NUM_SEQ": "8"}},
         {"groups": 0},
         {"worker": {"gpu": {"count": 2}}},
+        {"config": {"KVGRID_TENSOR_PARALLEL_SIZE": "0"}},
         {"tokenizer": {"ports": {"grpc": 70000}}},
     ],
 )

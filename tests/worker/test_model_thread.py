@@ -16,7 +16,7 @@ def test_build_core_runs_on_the_model_thread(monkeypatch):
 
     def fake_build_core(config, metrics):
         loaded_on.append(threading.current_thread())
-        return SimpleNamespace(handshake=SimpleNamespace(num_blocks=1))
+        return SimpleNamespace(handshake=SimpleNamespace(num_blocks=1), ranks=None)
 
     monkeypatch.setattr(server, "build_core", fake_build_core)
 

@@ -11,7 +11,7 @@ in a batch-1 decode step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -140,6 +140,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # Tensor parallel: sums o_proj's partial outputs over the ranks (see parallel/sharding.py); None alone.
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, args: LlamaArgs, backend: AttentionBackend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
@@ -166,10 +169,13 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj.forward(out.reshape(num_tokens, self.q_size))
+        out = self.o_proj.forward(out.reshape(num_tokens, self.q_size))  # [T, E]
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class MLP(nn.Module):
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None  # as Attention's, for down_proj
+
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.intermediate_size = args.intermediate_size
@@ -178,7 +184,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
         gate, up = self.gate_up_proj.forward(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj.forward(F.silu(gate).mul_(up))
+        out = self.down_proj.forward(F.silu(gate).mul_(up))
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):

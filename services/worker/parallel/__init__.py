@@ -1,0 +1,1 @@
+"""Tensor parallel: one worker over several devices (see ranks.py)."""

@@ -1,0 +1,97 @@
+"""Ranks 1..N-1 of a tensor-parallel worker, and the step message rank 0 sends them.
+
+A follower loads its shard, agrees on the block count, then runs the forward of each step rank 0
+sends down its pipe (meeting the other ranks at the all-reduces) until it reads ``None``. It never
+samples: rank 0 alone computes logits. It dies with rank 0 (PR_SET_PDEATHSIG, and the pipe's end
+of file), and ignores Ctrl-C, which reaches the whole process group: rank 0 stops it in order.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import os
+import signal
+import sys
+
+import torch
+
+from services.common.logs import setup_logging
+
+from ..attention.base import AttentionMetadata
+from ..engine import create_runner, max_model_len
+from ..loader import ModelLoadError
+from ..memory import InsufficientMemory
+from ..model_runner import ModelRunner, StepInputs
+from .group import DistGroup, RankLost
+from .plan import RankPlan, load_rank, plan_rank, rank_device
+
+log = logging.getLogger(__name__)
+
+
+def pack_step(inputs: StepInputs) -> tuple:
+    """The forward's inputs as host arrays (they pickle in microseconds, tensors in tens of them)."""
+    m = inputs.meta
+    arrays = (inputs.input_ids, inputs.positions, m.query_start_loc, m.seq_lens, m.block_tables, m.slot_mapping)
+    return (*(t.cpu().numpy() for t in arrays), m.max_query_len, m.max_seq_len, m.query_lens_cpu, m.seq_lens_cpu)
+
+
+def unpack_step(message: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    input_ids, positions, qsl, seq_lens, tables, slots, max_q, max_s, q_lens, s_lens = message
+    t = [torch.from_numpy(a).to(device) for a in (input_ids, positions, qsl, seq_lens, tables, slots)]
+    meta = AttentionMetadata(t[2], t[3], t[4], t[5], max_q, max_s, q_lens, s_lens)
+    return t[0], t[1], meta
+
+
+def follower_main(plan: RankPlan, rank: int, conn: multiprocessing.connection.Connection) -> None:
+    """Ranks 1..N-1: load the shard, agree on the cache, then run each step rank 0 sends until it says stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: rank 0 stops the ranks in order
+    _die_with(plan.parent_pid)
+    c = plan.config
+    setup_logging(f"worker-rank{rank}", c.observability.log_level, c.observability.log_format)
+    if plan.num_threads > 0:
+        torch.set_num_threads(plan.num_threads)
+    device = rank_device(c, rank, plan.size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        group = DistGroup(rank, plan.size, plan.init_addr, device)
+        loaded = load_rank(c, plan.model_path, rank, plan.size, group)
+        max_len = max_model_len(loaded.args, loaded.hf_config, c.model.max_model_len)
+        figures = plan_rank(c, loaded, max_len, plan.kv_cache_memory, group)
+        runner = create_runner(loaded, c.cache.block_size, figures.num_blocks, c.model.seed)
+        log.info("rank %d ready on %s: %d KV blocks", rank, device, figures.num_blocks)
+        serve_steps(conn, runner)
+    except (ModelLoadError, InsufficientMemory) as exc:
+        log.error("rank %d: %s", rank, exc)
+        sys.exit(1)
+    except (EOFError, RankLost):
+        log.error("rank %d: another rank is gone; exiting", rank)
+        sys.exit(1)
+    group.close()
+    # Nothing is left to flush but the logs; the interpreter's own teardown of torch and gloo state
+    # took seconds here, which rank 0 (and a SIGTERM's grace) would wait out.
+    logging.shutdown()
+    os._exit(0)
+
+
+@torch.inference_mode()
+def serve_steps(conn: multiprocessing.connection.Connection, runner: ModelRunner) -> None:
+    """Each message is one step's batch; ``None`` ends the loop. Raises EOFError when rank 0 is gone."""
+    while (message := conn.recv()) is not None:
+        input_ids, positions, meta = unpack_step(message, runner.device)
+        runner.model(input_ids, positions, runner.kv_caches, meta)
+
+
+def _die_with(parent_pid: int) -> None:
+    """SIGKILL when rank 0 dies (Linux), even while blocked in a collective that would never return.
+
+    The signal follows the *thread* that started this process: rank 0's model thread (or the caller's
+    thread of ``build_core``), which lives as long as the worker does."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # rank 0 died before the line above
+        os._exit(1)

@@ -1,0 +1,111 @@
+"""What every tensor-parallel rank does to start: its device, its share of the model, its memory plan."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from services.common.config import Config
+
+from ..engine import LoadedModel, load_model, plan_memory
+from ..loader import ModelLoadError
+from ..memory import MemoryFigures
+from .group import DistGroup
+from .sharding import attach_all_reduce
+
+log = logging.getLogger(__name__)
+
+
+def tensor_parallel_size(config: Config) -> int:
+    return config.parallel.tensor_parallel_size if config.parallel is not None else 1
+
+
+@dataclass(slots=True)
+class RankPlan:
+    """What every rank is told at start (picklable: it crosses to the spawned processes)."""
+
+    config: Config
+    model_path: str  # resolved: the embedded default model's file, or what --model names
+    size: int
+    init_addr: str  # host:port of the process group's rendezvous
+    kv_cache_memory: int  # CPU: each rank's share of the cache budget (0 on CUDA)
+    num_threads: int  # torch threads of each rank (0: torch's default)
+    parent_pid: int
+
+    @property
+    def cuda(self) -> bool:
+        return rank_device(self.config, 0, self.size).type == "cuda"
+
+
+def rank_device(config: Config, rank: int, size: int) -> torch.device:
+    """cuda:rank on CUDA (one device per rank), else the CPU. Raises ModelLoadError when devices are missing."""
+    name = config.device.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name != "cuda":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if count < size:
+        raise ModelLoadError(f"--tensor-parallel-size {size} needs {size} CUDA devices, but {count} are visible")
+    return torch.device("cuda", rank)
+
+
+def check_options(config: Config, size: int) -> None:
+    """The options a sharded model does not take, refused with the reason. (int8 shards: each rank
+    quantizes its own rows, one scale per output channel of its columns.)"""
+    if config.load.quantization == "gguf":
+        raise ModelLoadError(
+            f"--quantization gguf cannot be split over --tensor-parallel-size {size}: a GGUF block spans a row's"
+            " inputs; use --quantization int8 or none"
+        )
+    if config.device.cpu_kernels == "native":
+        raise ModelLoadError(
+            f"--cpu-kernels native runs a whole unsharded layer per call; with --tensor-parallel-size {size}"
+            " use --cpu-kernels auto or torch"
+        )
+
+
+def load_rank(config: Config, model_path: str, rank: int, size: int, group: DistGroup | None) -> LoadedModel:
+    """This rank's share of the model, its row-parallel projections summed over ``group``."""
+    loaded = load_model(
+        model_path,
+        dtype=config.model.dtype,
+        device=str(rank_device(config, rank, size)),
+        attention_backend=config.device.attention_backend,
+        # The native decode path runs whole layers in C, with no all-reduce in between: torch under TP.
+        cpu_kernels=config.device.cpu_kernels if size == 1 else "torch",
+        load_format=config.load.load_format,
+        quantization=config.load.quantization,
+        tp_rank=rank,
+        tp_size=size,
+    )
+    if group is not None:
+        attach_all_reduce(loaded.model, group.all_reduce)
+    return loaded
+
+
+def plan_rank(
+    config: Config, loaded: LoadedModel, max_len: int, kv_cache_memory: int, group: DistGroup | None
+) -> MemoryFigures:
+    """This rank's memory plan with the block count every rank can hold (a collective: all ranks call it)."""
+    c = config
+    figures = plan_memory(
+        loaded,
+        block_size=c.cache.block_size,
+        max_len=max_len,
+        kv_cache_memory=kv_cache_memory,
+        gpu_memory_utilization=c.cache.gpu_memory_utilization,
+        max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
+        max_num_seqs=c.scheduler.max_num_seqs,
+        seed=c.model.seed,
+    )
+    if group is None:
+        return figures
+    num_blocks = group.min(figures.num_blocks)
+    if num_blocks != figures.num_blocks:
+        log.info("rank %d could hold %d blocks; the smallest rank holds %d", group.rank, figures.num_blocks, num_blocks)
+    figures.num_blocks = num_blocks
+    figures.kv_cache_bytes = num_blocks * loaded.block_bytes(c.cache.block_size)
+    return figures
