@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 
 # How long a submit waits for the stream to (re)connect before failing with UNAVAILABLE.
 CONNECT_WAIT_S = 5.0
-# Deltas processed between two yields to the event loop.
-CHUNK = 128
+# Deltas processed between two yields to the event loop. Small, because grpc's aio server accepts a new call
+# only after several loop iterations (one pending accept per method): long iterations throttle admission.
+CHUNK = 4
 
 
 class EngineClient:
