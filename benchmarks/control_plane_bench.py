@@ -318,6 +318,9 @@ async def measure(args) -> dict:
         "mean_running": round(sum(r for r, _ in queues) / max(len(queues), 1), 1),
         "mean_waiting": round(sum(w for _, w in queues) / max(len(queues), 1), 1),
         "client_cpu_share": round(sum(r["cpu"] for r in results) / args.duration, 3),
+        # The frontend's CPU per token a client received: what coalescing and the per-delta work cost.
+        "frontend_cpu_us_per_token": round(1e6 * frontend_cpu / max(tokens * elapsed / args.duration, 1), 1),
+        "client_cpu_us_per_token": round(1e6 * sum(r["cpu"] for r in results) / max(tokens, 1), 1),
         "tokens_per_response": round(tokens / max(len(in_window), 1), 2),
         "itl_p50_ms": round(1000 * _pct(gaps, 0.5), 2),
         "itl_p99_ms": round(1000 * _pct(gaps, 0.99), 2),

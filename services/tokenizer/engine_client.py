@@ -34,8 +34,12 @@ log = logging.getLogger(__name__)
 
 # How long a submit waits for the stream to (re)connect before failing with UNAVAILABLE.
 CONNECT_WAIT_S = 5.0
-# Deltas processed between two yields to the event loop.
-CHUNK = 128
+# A step's deltas are dispatched in one pass up to UNCHOPPED of them: the calls' writes then reach the transport
+# together (fewer syscalls). Past that, a yield to the event loop every CHUNK deltas keeps loop iterations short,
+# because grpc's aio server accepts a new call only after several iterations (one pending accept per method):
+# long iterations had capped admission at about one call per step at 256 concurrent calls.
+UNCHOPPED = 64
+CHUNK = 4
 
 
 class EngineClient:
@@ -155,7 +159,7 @@ class EngineClient:
             self.view.apply(message)
         handles = self._handles
         for i, delta in enumerate(message.deltas):
-            if i and i % CHUNK == 0:
+            if i >= UNCHOPPED and i % CHUNK == 0:
                 await asyncio.sleep(0)
             handle = handles.get(delta.request_id)
             if handle is None:

@@ -6,7 +6,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
-from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from kvgrid.v1 import generate_pb2, generate_pb2_grpc
 from services.common.errors import InvalidArgument, grpc_errors
 from services.common.metrics import TokenizerMetrics
 from services.common.tracing import context_from_metadata
@@ -45,10 +45,11 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             else:
                 field, prompt_ids = "prompt", await encode_text(tokenizer, request.prompt)
             v.check_prompt_length(field, len(prompt_ids), limits)
-            stream = self._stream(tokenizer, limits, request.request_id, prompt_ids, request.sampling, context, tracked)
-            async with contextlib.aclosing(stream):
-                async for out in stream:
-                    yield out
+            stream = self._generate(tokenizer, limits, request, prompt_ids, context, tracked)
+            with _counted(self._state):  # generators nested directly: each level costs per response
+                async with contextlib.aclosing(stream):
+                    async for out in stream:
+                        yield out
 
     @grpc_errors
     async def Chat(self, request: generate_pb2.ChatRequest, context) -> AsyncIterator:
@@ -59,10 +60,11 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             v.check_sampling(request.sampling, limits)
             prompt_ids = await encode_chat(tokenizer, _messages(request.messages))
             v.check_prompt_length("messages", len(prompt_ids), limits)
-            stream = self._stream(tokenizer, limits, request.request_id, prompt_ids, request.sampling, context, tracked)
-            async with contextlib.aclosing(stream):
-                async for out in stream:
-                    yield out
+            stream = self._generate(tokenizer, limits, request, prompt_ids, context, tracked)
+            with _counted(self._state):  # generators nested directly: each level costs per response
+                async with contextlib.aclosing(stream):
+                    async for out in stream:
+                        yield out
 
     @grpc_errors
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context) -> generate_pb2.TokenizeResponse:
@@ -86,21 +88,33 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest, context) -> generate_pb2.ModelInfo:
         return self._state.model_info()
 
-    async def _stream(
+    def _generate(
         self,
         tokenizer: TextTokenizer,
         limits: v.ModelLimits,
-        request_id: str,
+        request: generate_pb2.GenerateRequest | generate_pb2.ChatRequest,
         prompt_ids: list[int],
-        sampling: common_pb2.SamplingParams,
         context,
         tracked: RequestMetrics,
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        request_id = request_id or uuid.uuid4().hex
-        parent = context_from_metadata(context)
-        stream = generate(
-            self._engine, tokenizer, limits, request_id, prompt_ids, sampling, parent_context=parent, tracked=tracked
+        """``generation.generate`` for a Generate or Chat request (its own id, or a new one)."""
+        return generate(
+            self._engine,
+            tokenizer,
+            limits,
+            request.request_id or uuid.uuid4().hex,
+            prompt_ids,
+            request.sampling,
+            parent_context=context_from_metadata(context),
+            tracked=tracked,
         )
-        async with contextlib.aclosing(self._state.counted(stream)) as counted:
-            async for out in counted:
-                yield out
+
+
+@contextlib.contextmanager
+def _counted(state: ModelState):
+    """The stream counts among those a drain waits for until it ends."""
+    state.stream_started()
+    try:
+        yield
+    finally:
+        state.stream_ended()

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgrid.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.logs import request_log
-from services.common.server import SERVING, insecure_channel
+from services.common.server import CHANNEL_OPTIONS, SERVING
 from services.tokenizer.model_state import ModelState
 
 log = logging.getLogger(__name__)
@@ -26,13 +26,18 @@ INITIAL_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
 INFO_TIMEOUT_S = 30.0
 ABORT_TIMEOUT_S = 5.0
+# The scheduler's step messages may run ahead of this frontend by one fixed HTTP/2 window only (no BDP
+# growth to megabytes). A frontend that falls behind then holds up the scheduler's write, and the scheduler
+# merges the following steps into one message with several tokens per request: deltas reach the clients
+# late by a few steps at most, in fewer and larger messages, instead of a growing queue of one-token steps.
+LINK_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 64 * 1024)]
 
 
 class SchedulerLink:
     def __init__(self, addr: str, state: ModelState):
         self.addr = addr
         self._state = state
-        self.channel = insecure_channel(addr)
+        self.channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS + LINK_OPTIONS)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._watch_task: asyncio.Task | None = None

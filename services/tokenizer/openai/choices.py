@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from kvgrid.v1 import common_pb2, generate_pb2
 from services.common.metrics import TokenizerMetrics
 from services.tokenizer.engine_client import EngineClient
-from services.tokenizer.generation import generate
+from services.tokenizer.generation import generate, merge
 from services.tokenizer.request_metrics import RequestMetrics
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.tokenizer.validation import ModelLimits
@@ -66,7 +66,11 @@ def plan_choices(
 async def run_choices(
     pipe: Pipeline, choices: list[Choice]
 ) -> AsyncIterator[tuple[int, generate_pb2.GenerateResponse]]:
-    """(choice index, delta) as each arrives; raises the first KvgridError any choice raises."""
+    """(choice index, delta) as each arrives; raises the first KvgridError any choice raises.
+
+    Deltas that queued up while the consumer was busy (a client reading slower than tokens arrive) come
+    out merged, one per choice, so a slow SSE stream sends fewer, larger chunks; a lone delta is never held.
+    """
     queue: asyncio.Queue = asyncio.Queue()
     cached: dict[int, asyncio.Event] = {}  # prompt index -> set once its leader produced output
     tasks = []
@@ -76,13 +80,22 @@ async def run_choices(
     remaining = len(tasks)
     try:
         while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
+            ready = [await queue.get()]
+            while not queue.empty():
+                ready.append(queue.get_nowait())
+            merged: dict[int, generate_pb2.GenerateResponse] = {}  # choice index -> its queued deltas as one
+            error = None
+            for index, item in ready:
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    error = error or item
+                else:
+                    merged[index] = merge([merged.get(index), item])
+            for index, out in merged.items():
+                yield index, out
+            if error is not None:
+                raise error
     finally:
         for task in tasks:
             task.cancel()
