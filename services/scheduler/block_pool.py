@@ -10,7 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from services.scheduler.free_queue import FreeBlockQueue, KVCacheBlock
 from services.scheduler.prefix_hash import BlockHash
@@ -26,6 +26,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self._cached: dict[int, KVCacheBlock] = {}
         self.num_evictions = 0
+        # Called with a cached block about to lose its hash (it is being handed out again), e.g. to save it elsewhere.
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -92,6 +94,8 @@ class BlockPool:
                     self.free_queue.append(block)
 
     def _evict(self, block: KVCacheBlock) -> None:
+        if self.on_evict is not None:
+            self.on_evict(block)
         del self._cached[block.block_hash.value]
         block.block_hash = None
         self.num_evictions += 1
