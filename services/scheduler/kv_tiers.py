@@ -217,12 +217,13 @@ class KvTiers:
         max_blocks = (request.num_tokens - 1) // self.block_size
         remaining = max(max_blocks - num_device_blocks, 0) * self.block_size
         for name in self.names:
-            hits = sum(1 for load in loads if load.tier == name) * self.block_size
+            num_blocks = sum(1 for load in loads if load.tier == name)
+            hits = num_blocks * self.block_size
             self._count(
                 name,
                 lookup_tokens=remaining,
                 hit_tokens=hits,
-                loaded_bytes=hits // self.block_size * self.bytes_per_block,
+                loaded_bytes=num_blocks * self.bytes_per_block,
             )
             remaining -= hits
 

@@ -69,7 +69,9 @@ class KvTransfer:
             self.host.save(host_blocks, host_slots)
             self._count_bytes("saved", "host", len(host_blocks))
         if redis_blocks and self.redis is not None:
-            if self.redis.save(redis_keys, gather(self.kv_caches, redis_blocks).cpu()):
+            # Copied now (this very step may overwrite the blocks); sent in the background.
+            blocks = gather(self.kv_caches, redis_blocks).cpu()
+            if self.redis.save(redis_keys, blocks):
                 self._count_bytes("saved", "redis", len(redis_blocks))
 
     def _load(self, new: worker_pb2.NewRequest, state: RequestState) -> int:
