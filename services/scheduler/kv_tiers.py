@@ -116,11 +116,9 @@ class RedisIndex:
         self._retry_at = 0.0
 
     def count_present(self, keys: list[str]) -> int | None:
-        """How many leading ``keys`` Redis holds; None when Redis cannot be asked (then it is left alone a while)."""
-        if not keys:
+        """How many leading ``keys`` Redis holds; None when asking failed (then Redis is left alone a while: 0)."""
+        if not keys or time.monotonic() < self._retry_at:
             return 0
-        if time.monotonic() < self._retry_at:
-            return None
         try:
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
