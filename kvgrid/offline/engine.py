@@ -53,7 +53,7 @@ class OfflineEngine:
         plan = plan_to_proto(out)
         rows, num_failed = self.core.execute(plan, self.states.apply(plan))
         if num_failed:
-            self.scheduler.tiers.record_failed_loads(num_failed)
+            self.scheduler.tiers.record_failed_loads(num_failed, out.kv_loads())
         self.num_steps += 1
         return self.scheduler.update_from_output(out, [(r.request.request_id, r.token_id, r.logprob) for r in rows])
 

@@ -346,7 +346,7 @@ class Engine:
                     raise WorkerProtocolError(f"result for step {result.step_id}, expected {out.step_id}")
                 self._num_steps += 1
                 if result.num_kv_load_failed_tokens and core.tiers is not None:
-                    core.tiers.record_failed_loads(result.num_kv_load_failed_tokens)
+                    core.tiers.record_failed_loads(result.num_kv_load_failed_tokens, out.kv_loads())
                 self._deliver(core.update_from_output(out, sampled_from_proto(result)))
                 if self.metrics is not None:
                     self._record_state(core)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +138,9 @@ class RedisIndex:
             num += 1
         return num
 
+    def forget(self, key: str) -> None:
+        self._known.pop(key, None)
+
     def is_known(self, key: str) -> bool:
         return key in self._known
 
@@ -247,10 +251,16 @@ class KvTiers:
                 self._saves.append(TierBlock(block.block_id, redis_key=key))
                 self._count("redis", saved_bytes=self.bytes_per_block)
 
-    def record_failed_loads(self, num_tokens: int) -> None:
-        if num_tokens:
-            log.warning("%d tokens planned as KV tier loads were recomputed", num_tokens)
-            self._count("redis", failed_tokens=num_tokens)
+    def record_failed_loads(self, num_tokens: int, loads: Iterable[TierBlock]) -> None:
+        """The worker computed ``num_tokens`` of the plan's ``loads`` instead: their keys are no longer trusted to be
+        in Redis (the worker drops values it rejects), so they are written again when their requests finish."""
+        if not num_tokens:
+            return
+        log.warning("%d tokens planned as KV tier loads were recomputed", num_tokens)
+        self._count("redis", failed_tokens=num_tokens)
+        if self.redis is not None:
+            for load in loads:
+                self.redis.forget(load.redis_key)
 
     def keys(self, request: Request, num_blocks: int) -> list[str]:
         return kv_keys.extend_keys(

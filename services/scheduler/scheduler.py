@@ -79,6 +79,9 @@ class SchedulerOutput:
     # Device blocks the worker copies out to the KV tiers before anything else in the step.
     kv_saves: list[TierBlock] = field(default_factory=list)
 
+    def kv_loads(self) -> list[TierBlock]:
+        return [load for new in self.new_requests for load in new.kv_loads]
+
     @property
     def is_empty(self) -> bool:
         """Nothing to compute, drop or save: no need to send it."""
