@@ -132,7 +132,7 @@ def test_a_full_redis_refuses_writes_and_every_request_still_succeeds(tiny_model
     server = RedisServer(extra_args=["--maxmemory-policy", "noeviction"]).start()
     try:
         client = server.client()
-        room = 100 * 1024  # about 12 blocks of 8 KiB: a third of what the prompts write
+        room = 200 * 1024  # about 24 blocks of 8 KiB: less than the 36 the prompts write
         client.config_set("maxmemory", client.info("memory")["used_memory"] + room)
         llm = group(tiny_model, server.url)
         batch = prompts(seed=6, n=4)
