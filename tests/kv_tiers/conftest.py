@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvgrid import LLM
+from tests.kv_tiers.groups import TINY, tokens
 from tests.kv_tiers.redis_server import REDIS_SERVER, RedisServer
 from tests.worker.tiny import save_tiny_model, save_tiny_tokenizer
-
-# 2 layers x 2 KV heads x 16 dims in float32: 8 KiB per 16-token block; 20 blocks hold 320 tokens, so two
-# 150-token prompts evict each other's prefix.
-TINY = dict(dtype="float32", max_model_len=256, num_threads=1, kv_cache_memory="160KiB", seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +25,21 @@ def redis_server():
     server = RedisServer().start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def recompute(tiny_model) -> LLM:
+    return LLM(model=tiny_model, enable_prefix_caching=False, **TINY)
+
+
+@pytest.fixture(scope="session")
+def reference(recompute):
+    cache: dict[tuple, list[int]] = {}
+
+    def expected(batch: list[list[int]]) -> list[list[int]]:
+        missing = [p for p in batch if tuple(p) not in cache]
+        for p, out in zip(missing, tokens(recompute, missing) if missing else [], strict=True):
+            cache[tuple(p)] = out
+        return [cache[tuple(p)] for p in batch]
+
+    return expected

@@ -7,50 +7,8 @@ tokens, byte for byte, and every fault must end in recompute, never in a wrong t
 
 from __future__ import annotations
 
-import random
-
-import pytest
-
-from kvgrid import LLM, SamplingParams
 from services.worker.kv_transfer import layout
-from tests.kv_tiers.conftest import TINY
-
-GREEDY = SamplingParams(max_tokens=6, temperature=0)
-
-
-def prompts(seed: int, n: int = 3, length: int = 150) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(5, 150) for _ in range(length)] for _ in range(n)]
-
-
-def tokens(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
-    return [out.token_ids for out in llm.generate(batch, GREEDY, use_tqdm=False)]
-
-
-def tiers_of(llm: LLM):
-    return llm.engine.scheduler.tiers
-
-
-@pytest.fixture(scope="module")
-def recompute(tiny_model) -> LLM:
-    return LLM(model=tiny_model, enable_prefix_caching=False, **TINY)
-
-
-@pytest.fixture(scope="module")
-def reference(recompute):
-    cache: dict[tuple, list[int]] = {}
-
-    def expected(batch: list[list[int]]) -> list[list[int]]:
-        missing = [p for p in batch if tuple(p) not in cache]
-        for p, out in zip(missing, tokens(recompute, missing) if missing else [], strict=True):
-            cache[tuple(p)] = out
-        return [cache[tuple(p)] for p in batch]
-
-    return expected
-
-
-def group(tiny_model: str, redis_url: str | None, tiers: str = "redis", **options) -> LLM:
-    return LLM(model=tiny_model, kv_tiers=tiers, kv_redis_url=redis_url, **{**TINY, **options})
+from tests.kv_tiers.groups import group, prompts, tiers_of, tokens
 
 
 def test_host_tier_hits_after_eviction_give_the_recomputed_tokens(tiny_model, reference):
