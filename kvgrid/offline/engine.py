@@ -51,6 +51,7 @@ class OfflineEngine:
                 f"{self.scheduler.num_running} running"
             )
         plan = plan_to_proto(out)
+        self.core.check_plan(plan)
         rows, num_failed = self.core.execute(plan, self.states.apply(plan))
         if num_failed:
             self.scheduler.tiers.record_failed_loads(num_failed, out.kv_loads())

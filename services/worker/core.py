@@ -10,6 +10,7 @@ from kvgrid.v1 import worker_pb2
 from services.common import kv_keys
 from services.common.config import Config
 from services.common.default_model import resolve_model
+from services.common.errors import InvalidArgument
 from services.common.metrics import WorkerMetrics
 
 from .engine import LoadedModel, create_runner, load_model, max_model_len, plan_memory
@@ -41,6 +42,13 @@ class WorkerCore:
     @property
     def vocab_size(self) -> int:
         return self.handshake.vocab_size
+
+    def check_plan(self, plan: worker_pb2.StepPlan) -> None:
+        """The plan's KV tier moves, checked before the request states apply it; raises InvalidArgument."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.check(plan)
+        elif plan.kv_saves or any(new.kv_loads for new in plan.new_requests):
+            raise InvalidArgument("kv_saves", "this worker serves no KV tiers (--kv-tiers)")
 
     def execute(self, plan: worker_pb2.StepPlan, scheduled: list[RequestState]) -> tuple[list[SampledRow], int]:
         """The plan's KV tier moves, then the step; also returns the tokens planned as loads that were computed."""

@@ -68,6 +68,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for plan in request_iterator:
                 started = time.perf_counter()
                 spans.end(plan.finished_ids)
+                core.check_plan(plan)
                 scheduled = states.apply(plan)
                 spans.start(plan.new_requests)
                 spans.step(scheduled)

@@ -13,6 +13,7 @@ import logging
 import time
 
 from kvgrid.v1 import worker_pb2
+from services.common.errors import InvalidArgument
 from services.common.metrics import WorkerMetrics
 
 from ..state import RequestState
@@ -43,6 +44,27 @@ class KvTransfer:
     @property
     def tier_names(self) -> list[str]:
         return [name for name, tier in (("host", self.host), ("redis", self.redis)) if tier is not None]
+
+    def check(self, plan: worker_pb2.StepPlan) -> None:
+        """Raises InvalidArgument for tier moves this worker cannot do (checked before the plan changes anything)."""
+        num_blocks = self.kv_caches[0][0].shape[0]
+        for where, block in [("kv_saves", save) for save in plan.kv_saves] + [
+            ("new_requests.kv_loads", load) for new in plan.new_requests for load in new.kv_loads
+        ]:
+            tier = block.WhichOneof("tier")
+            if block.block_id >= num_blocks:
+                raise InvalidArgument(where, f"block id {block.block_id} past the cache ({num_blocks} blocks)")
+            if tier == "host_slot" and (self.host is None or block.host_slot >= self.host.num_slots):
+                raise InvalidArgument(where, f"host slot {block.host_slot} is not in this worker's host tier")
+            if tier != "host_slot" and (self.redis is None or not block.redis_key):
+                raise InvalidArgument(where, "a redis key, but this worker serves no redis tier")
+        for new in plan.new_requests:
+            first = new.num_computed_tokens // self.block_size - len(new.kv_loads)
+            loaded = [load.block_id for load in new.kv_loads]
+            if new.kv_loads and (first < 0 or list(new.block_ids[first : first + len(loaded)]) != loaded):
+                raise InvalidArgument(
+                    "new_requests.kv_loads", f"{new.request_id}: loads must fill the blocks before the computed count"
+                )
 
     def apply(self, plan: worker_pb2.StepPlan, scheduled: list[RequestState]) -> int:
         """Saves, then loads; returns how many tokens planned as loads will be computed instead."""

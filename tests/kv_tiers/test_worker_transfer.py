@@ -1,11 +1,14 @@
-"""A stored KV block reads back only as exactly the block asked for; anything else is rejected, never loaded."""
+"""The byte-moving half: a stored block reads back only as exactly the block asked for (anything else is rejected,
+never loaded), blocks move whole across layers, and a plan asking for moves the worker cannot do is refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.worker.kv_transfer import layout
+from kvgrid.v1 import worker_pb2
+from services.common.errors import InvalidArgument
+from services.worker.kv_transfer import HostTier, KvTransfer, layout
 from services.worker.kv_transfer.blocks import block_shape, gather, scatter
 
 SHAPE = (2, 2, 4, 2, 8)  # [layers, K/V, block_size, kv_heads, head_dim]
@@ -53,3 +56,24 @@ def test_gather_and_scatter_move_whole_blocks_across_layers():
     scatter(caches, [0, 5], moved)
     for (k, v), (k0, v0) in zip(caches, before, strict=True):
         assert torch.equal(k[0], k0[4]) and torch.equal(v[5], v0[1]) and torch.equal(k[2], k0[2])
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(saves=[worker_pb2.KvTierBlock(block_id=1, host_slot=2)]), "host slot 2"),
+        (dict(saves=[worker_pb2.KvTierBlock(block_id=6, host_slot=0)]), "block id 6"),
+        (dict(loads=[worker_pb2.KvTierBlock(block_id=0, redis_key="kvgrid:kv:00")]), "no redis tier"),
+        (dict(loads=[worker_pb2.KvTierBlock(block_id=3, host_slot=0)]), "fill the blocks"),
+    ],
+)
+def test_a_plan_with_tier_moves_the_worker_cannot_do_is_refused_before_anything_moves(bad, match):
+    caches = [(torch.zeros(6, 4, 2, 8), torch.zeros(6, 4, 2, 8)) for _ in range(2)]
+    transfer = KvTransfer(caches, 4, host=HostTier(caches, 2))
+    new = worker_pb2.NewRequest(request_id="r", block_ids=[0, 1], num_computed_tokens=4, kv_loads=bad.get("loads"))
+    plan = worker_pb2.StepPlan(step_id=1, new_requests=[new], kv_saves=bad.get("saves"))
+    with pytest.raises(InvalidArgument, match=match):
+        transfer.check(plan)
+    good = worker_pb2.NewRequest(request_id="r", block_ids=[0, 1], num_computed_tokens=4)
+    good.kv_loads.add(block_id=0, host_slot=1)
+    transfer.check(worker_pb2.StepPlan(step_id=1, new_requests=[good]))
