@@ -27,6 +27,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -105,6 +106,7 @@ def run_side(llm: LLM, chats: list[list[list[int]]]) -> tuple[list[list[float]],
             (out,) = llm.generate([user[turn]], FIRST_TOKEN, use_tqdm=False)
             row.append(time.perf_counter() - started)
             first_tokens.append(out.token_ids[0])
+            print(f"  turn {turn + 1}: {len(user[turn])} tokens, TTFT {row[-1]:.3f}s", file=sys.stderr, flush=True)
         ttft.append(row)
     return ttft, first_tokens
 
@@ -140,6 +142,7 @@ def run_all(args: argparse.Namespace, redis_url: str) -> dict:
     per_side: dict[str, dict] = {}
     chats = None
     for name, tiers in sides.items():
+        print(f"{name}:", file=sys.stderr, flush=True)
         llm = make_llm(args, tiers, redis_url if tiers == "redis" else "")
         chats = chats or conversations(args, llm.limits.vocab_size)
         ttft, first = run_side(llm, chats)
@@ -148,6 +151,7 @@ def run_all(args: argparse.Namespace, redis_url: str) -> dict:
         per_side[name] = {"ttft": ttft, "first_tokens": first, "tiers": _counters(llm)}
         del llm
     # The second group: a fresh pool that has never seen these users, on the Redis the first group filled.
+    print("redis, second group:", file=sys.stderr, flush=True)
     llm = make_llm(args, "redis", redis_url)
     ttft, first = run_side(llm, chats)
     per_side["redis_second_group"] = {"ttft": ttft, "first_tokens": first, "tiers": _counters(llm)}
