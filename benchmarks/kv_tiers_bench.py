@@ -6,7 +6,8 @@ the Redis tier, and on a second group that only shares Redis.
 Each of ``--users`` users has a ``--history``-token conversation; every turn appends ``--turn-len`` new
 tokens and asks for one token (the time of that request is its TTFT). Users take turns round-robin, and
 the device pool holds only about 1.5 histories, so by a user's next turn the other users' turns have
-evicted the history from the device: without tiers it is recomputed, with the host tier it comes back
+evicted the history from the device: without tiers it is recomputed (the recompute side runs with the
+prefix cache off, which is what an evicted prefix amounts to), with the host tier it comes back
 from host memory, with the Redis tier from Redis (write-through at the end of each turn). The second group
 is a fresh scheduler core and worker runner on the same Redis: its first turn of every user already finds
 the history there. Sides run one after another in this process (``kvgrid.LLM``: the scheduler core and the
@@ -77,11 +78,11 @@ def conversations(args: argparse.Namespace, vocab_size: int) -> list[list[list[i
 
 def make_llm(args: argparse.Namespace, tiers: str, redis_url: str) -> LLM:
     max_len = args.history + args.turns * args.turn_len + 16
+    if not tiers:  # recompute: no prefix caching, so the pool size does not matter (and this learns the block size)
+        llm = LLM(model=args.model, dtype=args.dtype, max_model_len=max_len, enable_prefix_caching=False, seed=0)
+        args.block_bytes = llm.engine.core.handshake.bytes_per_block
+        return llm
     # A pool of about 1.5 of the longest sequence: every user's turn evicts the previous users' histories.
-    if not args.block_bytes:
-        probe = LLM(model=args.model, dtype=args.dtype, max_model_len=max_len, kv_cache_memory="256MiB", seed=0)
-        args.block_bytes = probe.engine.core.handshake.bytes_per_block
-        del probe
     pool = int(1.5 * max_len / 16 + 8) * args.block_bytes
     return LLM(
         model=args.model,
