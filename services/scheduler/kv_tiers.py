@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 REDIS_RETRY_S = 2.0
 # Keys this scheduler knows to be in Redis (written or seen); a bounded LRU, only used to skip repeat writes.
 MAX_KNOWN_KEYS = 1 << 20
+MAX_PROBES = 4096
 
 
 @dataclass(slots=True)
@@ -163,6 +164,8 @@ class KvTiers:
     counters: dict[str, TierCounters] = field(default_factory=dict)
     metrics: Any = None  # SchedulerMetrics (the kvgrid_kv_tier_* counters), or None
     _saves: list[TierBlock] = field(default_factory=list)
+    # Redis answers for requests not admitted yet: (request id, id(request), first block, end block) -> count.
+    _probed: dict[tuple, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in self.names:
@@ -200,10 +203,18 @@ class KvTiers:
                 i += 1
         if self.redis is not None and i < max_blocks:
             keys = self.keys(request, max_blocks)[i:max_blocks]
-            num = self.redis.count_present(keys)
+            # A request that waits for blocks is looked up at every step: Redis is asked once per wait.
+            probe = (request.request_id, id(request), i, max_blocks)
+            num = self._probed.get(probe)
             if num is None:
-                self._count("redis", lookup_failures=1)
-            loads += [TierBlock(-1, redis_key=key) for key in keys[: num or 0]]
+                num = self.redis.count_present(keys)
+                if num is None:
+                    self._count("redis", lookup_failures=1)
+                    num = 0
+                if len(self._probed) > MAX_PROBES:
+                    self._probed.clear()
+                self._probed[probe] = num
+            loads += [TierBlock(-1, redis_key=key) for key in keys[:num]]
         return loads
 
     def pin(self, request: Request, num_device_blocks: int, loads: list[TierBlock]) -> None:
@@ -214,6 +225,7 @@ class KvTiers:
 
     def commit(self, request: Request, loads: list[TierBlock], block_ids: list[int], num_device_blocks: int) -> None:
         """The request was admitted with ``loads``: give them their device blocks and count the lookup."""
+        self._probed.clear()
         for load, block_id in zip(loads, block_ids[num_device_blocks:], strict=False):
             load.block_id = block_id
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -27,6 +27,7 @@ class FakeRedis:
     def __init__(self, store: dict):
         self.store = store
         self.down = False
+        self.num_calls = 0
 
     def pipeline(self, transaction: bool = False):
         return _Pipeline(self)
@@ -40,6 +41,7 @@ class _Pipeline:
         self.keys.append(key)
 
     def execute(self) -> list[int]:
+        self.redis.num_calls += 1
         if self.redis.down:
             raise ConnectionError("redis is down")
         return [int(("redis_key", key) in self.redis.store) for key in self.keys]
@@ -138,6 +140,20 @@ def test_an_unreachable_redis_is_a_miss_and_is_left_alone_for_a_while():
     assert all(not new.kv_loads and new.num_computed_tokens == 0 for new in out.new_requests)
     assert tiers.counters["redis"].lookup_failures == 1  # then skipped until REDIS_RETRY_S passed
     driver.run()
+
+
+def test_a_request_waiting_for_blocks_asks_redis_once():
+    s = make_scheduler(num_blocks=6, block_size=BS)  # "long" holds every block until it ends
+    driver = Driver(s)
+    tiers = with_tiers(s, driver.model, redis=True)
+    s.add_request(make_request("long", list(range(10, 30)), max_tokens=3))
+    s.add_request(make_request("next", list(range(40, 55)), max_tokens=1))
+    calls = []
+    while s.has_work():
+        driver.step()
+        calls.append(tiers.redis.client.num_calls)
+    assert calls[-1] == 2  # one lookup per admission, however many steps "next" waited
+    assert len(calls) > 4
 
 
 @pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
