@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kv_cache import lazily_zeroed
 from .blocks import KvCaches, block_shape, gather, scatter
 
 
@@ -15,9 +16,13 @@ class HostTier:
         self.kv_caches = kv_caches
         layers, two, *rest = block_shape(kv_caches)
         k0 = kv_caches[0][0]
-        pin = k0.device.type == "cuda"
-        # [layers, 2, num_slots, block_size, kv_heads, head_dim]
-        self.slots = torch.empty((layers, two, num_slots, *rest), dtype=k0.dtype, pin_memory=pin)
+        shape = (layers, two, num_slots, *rest)  # [layers, 2, num_slots, block_size, kv_heads, head_dim]
+        if k0.device.type == "cuda":
+            self.slots = torch.empty(shape, dtype=k0.dtype, pin_memory=True)
+        else:
+            # Fresh pages from calloc, as the KV cache itself: with a 2 GiB torch.empty here instead, every later
+            # step of the default model on CPU ran several times slower (measured; kv_tiers_bench).
+            self.slots = lazily_zeroed(shape, k0.dtype)
         self.bytes_per_block = k0[0].numel() * k0.element_size() * 2 * layers
 
     @property
