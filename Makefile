@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install serve test test-slow bench lint format protos clean deploy-tools
+.PHONY: install serve test test-slow bench lint format protos clean deploy-tools test-tools
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,11 +29,16 @@ deploy-tools:
 	@command -v docker-compose >/dev/null || (apt-get update -qq && apt-get install -y -qq docker-compose) || \
 		echo "deploy-tools: could not install docker-compose; tests/deploy will fail until it is installed"
 
-test: install deploy-tools
+# tests of the redis KV tier start Debian's redis-server on a free port
+test-tools:
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server) || \
+		echo "test-tools: could not install redis-server; the redis KV tier tests will be skipped"
+
+test: install deploy-tools test-tools
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # benchmarks and long suites, excluded from `make test`
-test-slow: install
+test-slow: install test-tools
 	$(PY) -m pytest -m "slow" $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no slow tests at present"; else exit $$rc; fi
 
 bench: install

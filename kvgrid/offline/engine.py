@@ -50,7 +50,11 @@ class OfflineEngine:
                 f"the scheduler planned nothing with {self.scheduler.num_waiting} requests waiting and "
                 f"{self.scheduler.num_running} running"
             )
-        rows = self.core.runner.execute(self.states.apply(plan_to_proto(out)))
+        plan = plan_to_proto(out)
+        self.core.check_plan(plan)
+        rows, num_failed = self.core.execute(plan, self.states.apply(plan))
+        if num_failed:
+            self.scheduler.tiers.record_failed_loads(num_failed, out.kv_loads())
         self.num_steps += 1
         return self.scheduler.update_from_output(out, [(r.request.request_id, r.token_id, r.logprob) for r in rows])
 

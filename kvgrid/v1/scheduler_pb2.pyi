@@ -120,7 +120,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "worker_ready", "num_cached_free_blocks")
+    __slots__ = ("num_running", "num_waiting", "num_blocks_total", "num_blocks_used", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_steps", "worker_ready", "num_cached_free_blocks", "kv_tiers")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class SchedulerStats(_message.Message):
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     WORKER_READY_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_blocks_total: int
@@ -143,7 +144,26 @@ class SchedulerStats(_message.Message):
     num_steps: int
     worker_ready: bool
     num_cached_free_blocks: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., worker_ready: _Optional[bool] = ..., num_cached_free_blocks: _Optional[int] = ...) -> None: ...
+    kv_tiers: _containers.RepeatedCompositeFieldContainer[KvTierStats]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_blocks_total: _Optional[int] = ..., num_blocks_used: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., worker_ready: _Optional[bool] = ..., num_cached_free_blocks: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[_Union[KvTierStats, _Mapping]]] = ...) -> None: ...
+
+class KvTierStats(_message.Message):
+    __slots__ = ("tier", "lookup_tokens", "hit_tokens", "saved_bytes", "loaded_bytes", "failed_tokens", "lookup_failures")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    lookup_tokens: int
+    hit_tokens: int
+    saved_bytes: int
+    loaded_bytes: int
+    failed_tokens: int
+    lookup_failures: int
+    def __init__(self, tier: _Optional[str] = ..., lookup_tokens: _Optional[int] = ..., hit_tokens: _Optional[int] = ..., saved_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., failed_tokens: _Optional[int] = ..., lookup_failures: _Optional[int] = ...) -> None: ...
 
 class GetWorkerInfoRequest(_message.Message):
     __slots__ = ()

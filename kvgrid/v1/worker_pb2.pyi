@@ -32,7 +32,7 @@ class MemoryProfile(_message.Message):
     def __init__(self, method: _Optional[str] = ..., total_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., peak_activation_bytes: _Optional[int] = ..., non_torch_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("model", "architecture", "dtype", "device", "block_size", "num_blocks", "bytes_per_block", "max_model_len", "vocab_size", "eos_token_ids", "memory", "tokenizer_files", "max_num_batched_tokens", "max_num_seqs", "worker_id", "load_seconds")
+    __slots__ = ("model", "architecture", "dtype", "device", "block_size", "num_blocks", "bytes_per_block", "max_model_len", "vocab_size", "eos_token_ids", "memory", "tokenizer_files", "max_num_batched_tokens", "max_num_seqs", "worker_id", "load_seconds", "num_host_blocks", "kv_tiers")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,8 @@ class HandshakeResponse(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     dtype: str
@@ -72,10 +74,22 @@ class HandshakeResponse(_message.Message):
     max_num_seqs: int
     worker_id: str
     load_seconds: float
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., memory: _Optional[_Union[MemoryProfile, _Mapping]] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., worker_id: _Optional[str] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+    num_host_blocks: int
+    kv_tiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., memory: _Optional[_Union[MemoryProfile, _Mapping]] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., worker_id: _Optional[str] = ..., load_seconds: _Optional[float] = ..., num_host_blocks: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class KvTierBlock(_message.Message):
+    __slots__ = ("block_id", "host_slot", "redis_key")
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_SLOT_FIELD_NUMBER: _ClassVar[int]
+    REDIS_KEY_FIELD_NUMBER: _ClassVar[int]
+    block_id: int
+    host_slot: int
+    redis_key: str
+    def __init__(self, block_id: _Optional[int] = ..., host_slot: _Optional[int] = ..., redis_key: _Optional[str] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "trace_context")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "trace_context", "kv_loads")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +105,7 @@ class NewRequest(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    KV_LOADS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -99,7 +114,8 @@ class NewRequest(_message.Message):
     num_computed_tokens: int
     num_scheduled_tokens: int
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    kv_loads: _containers.RepeatedCompositeFieldContainer[KvTierBlock]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., kv_loads: _Optional[_Iterable[_Union[KvTierBlock, _Mapping]]] = ...) -> None: ...
 
 class RunningRequest(_message.Message):
     __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens")
@@ -112,16 +128,18 @@ class RunningRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running", "finished_ids")
+    __slots__ = ("step_id", "new_requests", "running", "finished_ids", "kv_saves")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     FINISHED_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_SAVES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     running: _containers.RepeatedCompositeFieldContainer[RunningRequest]
     finished_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    kv_saves: _containers.RepeatedCompositeFieldContainer[KvTierBlock]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., kv_saves: _Optional[_Iterable[_Union[KvTierBlock, _Mapping]]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("request_id", "token_id", "logprob")
@@ -134,11 +152,13 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "execute_seconds")
+    __slots__ = ("step_id", "sampled", "execute_seconds", "num_kv_load_failed_tokens")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_LOAD_FAILED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_seconds: float
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ...) -> None: ...
+    num_kv_load_failed_tokens: int
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., num_kv_load_failed_tokens: _Optional[int] = ...) -> None: ...

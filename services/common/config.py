@@ -105,6 +105,9 @@ class DeviceConfig:
         return [f"--num-threads must be >= 0, got {self.num_threads}"] if self.num_threads < 0 else []
 
 
+KV_TIERS = ("host", "redis")
+
+
 @dataclass(slots=True)
 class CacheConfig:
     block_size: int = _opt(16, "tokens per KV cache block")
@@ -113,9 +116,27 @@ class CacheConfig:
     )
     gpu_memory_utilization: float = _opt(0.9, "fraction of GPU memory kvgrid may use (CUDA)")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of identical prompt prefixes")
+    kv_tiers: str = _opt(
+        "", "KV tiers beyond the device pool, comma-separated: host (evicted blocks), redis (shared); empty: off"
+    )
+    kv_host_memory: int = _opt(4 * 2**30, "bytes of host memory for the host KV tier, e.g. 4GiB", parse=parse_bytes)
+    kv_redis_url: str = _opt("", "Redis (or Valkey) server of the redis KV tier, e.g. redis://host:6379/0")
+
+    @property
+    def kv_tier_names(self) -> list[str]:
+        return [name.strip() for name in self.kv_tiers.split(",") if name.strip()]
 
     def validate(self) -> list[str]:
         errors = []
+        unknown = [name for name in self.kv_tier_names if name not in KV_TIERS]
+        if unknown:
+            errors.append(f"--kv-tiers: unknown tier {unknown[0]!r} (use {', '.join(KV_TIERS)})")
+        if "host" in self.kv_tier_names and self.kv_host_memory <= 0:
+            errors.append(f"--kv-host-memory must be > 0 with the host tier, got {self.kv_host_memory}")
+        if "redis" in self.kv_tier_names and not self.kv_redis_url.startswith(("redis://", "rediss://", "unix://")):
+            errors.append(
+                f"--kv-redis-url must be redis://HOST:PORT[/DB] with the redis tier, got {self.kv_redis_url!r}"
+            )
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
             errors.append(f"--block-size must be a power of two from 1 to 128, got {self.block_size}")
         if self.kv_cache_memory < 0:

@@ -161,6 +161,21 @@ class SchedulerMetrics(_Metrics):
         self.queue_seconds = self._histogram(
             "kvgrid_request_queue_seconds", "Time from arrival to first schedule", TTFT_BUCKETS
         )
+        # KV tiers beyond the device pool (--kv-tiers), by tier; names match KvTierStats' fields.
+        self._kv_tier = {
+            name: self._counter(f"kvgrid_kv_tier_{name}", doc, ["tier"])
+            for name, doc in (
+                ("lookup_tokens", "Prompt tokens looked up in a KV tier past the device prefix hit"),
+                ("hit_tokens", "Prompt tokens found in a KV tier and loaded instead of computed"),
+                ("saved_bytes", "Bytes planned to be saved to a KV tier"),
+                ("loaded_bytes", "Bytes planned to be loaded from a KV tier"),
+                ("failed_tokens", "Tokens planned as KV tier loads that were recomputed (a failed or missing load)"),
+                ("lookup_failures", "KV tier lookups that failed (tier unreachable), counted as misses"),
+            )
+        }
+
+    def kv_tier(self, name: str) -> Counter:
+        return self._kv_tier[name]
 
 
 class WorkerMetrics(_Metrics):
@@ -175,6 +190,24 @@ class WorkerMetrics(_Metrics):
         )
         self.profiled_memory = self._gauge(
             "kvgrid_worker_profiled_memory_bytes", "Memory profile figures of the handshake", ["kind"]
+        )
+        self.kv_tier_saved_bytes = self._counter(
+            "kvgrid_worker_kv_tier_saved_bytes", "Bytes copied out to a KV tier", ["tier"]
+        )
+        self.kv_tier_loaded_bytes = self._counter(
+            "kvgrid_worker_kv_tier_loaded_bytes", "Bytes loaded from a KV tier into the device pool", ["tier"]
+        )
+        self.kv_tier_failures = self._counter(
+            "kvgrid_worker_kv_tier_failures",
+            "KV tier saves or loads that failed (the load is recomputed)",
+            ["tier", "op"],
+        )
+        self.kv_tier_load_seconds = Histogram(
+            "kvgrid_worker_kv_tier_load_seconds",
+            "Time to load one step's blocks from a KV tier",
+            ["model", "tier"],
+            buckets=STEP_BUCKETS,
+            registry=self.registry,
         )
 
     def set_profile(self, **kinds: int) -> None:

@@ -29,6 +29,8 @@ class BlockPool:
         # Told (hash value, True) when a prefix block becomes findable and (hash value, False) when it is evicted:
         # schedulers publish these to frontends for routing (KvEvents).
         self.on_event: Callable[[int, bool], None] | None = None
+        # Called with a cached block about to lose its hash (it is being handed out again), e.g. to save it elsewhere.
+        self.on_evict: Callable[[KVCacheBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -101,6 +103,8 @@ class BlockPool:
                     self.free_queue.append(block)
 
     def _evict(self, block: KVCacheBlock) -> None:
+        if self.on_evict is not None:
+            self.on_evict(block)
         value = block.block_hash.value
         del self._cached[value]
         block.block_hash = None

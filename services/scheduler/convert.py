@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvgrid.v1 import common_pb2, scheduler_pb2, worker_pb2
+from services.scheduler.kv_tiers import TierBlock
 from services.scheduler.request import DEFAULT_MAX_TOKENS, RequestStatus, StopConditions
 from services.scheduler.scheduler import RequestOutput, SchedulerOutput
 
@@ -36,6 +37,7 @@ def plan_to_proto(out: SchedulerOutput) -> worker_pb2.StepPlan:
                 num_computed_tokens=new.num_computed_tokens,
                 num_scheduled_tokens=new.num_scheduled_tokens,
                 trace_context=request.trace_context,
+                kv_loads=[tier_block_to_proto(load) for load in new.kv_loads],
             )
         )
     running = plan.running
@@ -46,7 +48,15 @@ def plan_to_proto(out: SchedulerOutput) -> worker_pb2.StepPlan:
         entry.num_scheduled_tokens = item.num_scheduled_tokens
         if item.new_block_ids:
             entry.new_block_ids.extend(item.new_block_ids)
+    if out.kv_saves:
+        plan.kv_saves.extend(tier_block_to_proto(save) for save in out.kv_saves)
     return plan
+
+
+def tier_block_to_proto(block: TierBlock) -> worker_pb2.KvTierBlock:
+    if block.host_slot >= 0:
+        return worker_pb2.KvTierBlock(block_id=block.block_id, host_slot=block.host_slot)
+    return worker_pb2.KvTierBlock(block_id=block.block_id, redis_key=block.redis_key)
 
 
 def sampled_from_proto(result: worker_pb2.StepResult, want_logprobs: bool = True) -> list[tuple]:

@@ -52,6 +52,8 @@ class Request:
     num_preemptions: int = 0
     # Hashes of the full blocks of all_token_ids, extended lazily.
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # Keys of the same blocks in the shared KV tier (strong digests, see services.common.kv_keys), extended lazily.
+    tier_keys: list[str] = field(default_factory=list)
     # Whether the worker holds state for this request (it was sent in a NewRequest and not dropped since).
     on_worker: bool = False
     # How many of the request's block ids the worker knows.

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.kv_tiers import KvTiers, TierBlock
 from services.scheduler.queues import make_waiting_queue
 from services.scheduler.request import Request, RequestStatus
 
@@ -52,6 +53,8 @@ class NewRequestPlan:
     num_scheduled_tokens: int
     # The step reaches the end of the request's tokens, so the worker samples one for it.
     samples: bool = False
+    # Blocks the worker fills from the KV tiers first; num_computed_tokens counts them.
+    kv_loads: list[TierBlock] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -73,11 +76,16 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
+    # Device blocks the worker copies out to the KV tiers before anything else in the step.
+    kv_saves: list[TierBlock] = field(default_factory=list)
+
+    def kv_loads(self) -> list[TierBlock]:
+        return [load for new in self.new_requests for load in new.kv_loads]
 
     @property
     def is_empty(self) -> bool:
-        """Nothing to compute and nothing to drop: no need to send it."""
-        return not self.total_num_scheduled_tokens and not self.finished_ids
+        """Nothing to compute, drop or save: no need to send it."""
+        return not self.total_num_scheduled_tokens and not self.finished_ids and not self.kv_saves
 
 
 @dataclass(slots=True)
@@ -91,9 +99,18 @@ class RequestOutput:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager, eos_token_ids: Iterable[int] = ()):
+    def __init__(
+        self,
+        limits: SchedulerLimits,
+        kv: KVCacheManager,
+        eos_token_ids: Iterable[int] = (),
+        tiers: KvTiers | None = None,
+    ):
         self.limits = limits
         self.kv = kv
+        self.tiers = tiers
+        if tiers is not None:
+            kv.pool.on_evict = tiers.on_evict
         self.eos_token_ids = frozenset(eos_token_ids)
         # A request reaching this many tokens finishes with "length". Capped at what the whole pool holds: a longer
         # sequence could never be computed again after a preemption.
@@ -116,7 +133,9 @@ class Scheduler:
         return len(self.waiting)
 
     def has_work(self) -> bool:
-        return bool(self.running or len(self.waiting) or self._drop_on_worker)
+        return bool(
+            self.running or len(self.waiting) or self._drop_on_worker or (self.tiers and self.tiers.has_saves())
+        )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -142,6 +161,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.step_id += 1
         out = SchedulerOutput(step_id=self.step_id)
+        if self.tiers is not None:
+            self.tiers.begin_plan()
         budget = self.limits.max_num_batched_tokens
         # request_id -> plan, in scheduling order; a priority preemption may take one back out.
         planned: dict[str, RunningRequestPlan] = {}
@@ -190,28 +211,37 @@ class Scheduler:
 
         out.finished_ids = self._drop_on_worker
         self._drop_on_worker = []
+        if self.tiers is not None:
+            out.kv_saves = self.tiers.take_saves()
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             request = self.waiting.peek()
             hit_blocks, num_hit = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(request, num_new, hit_blocks):
+            loads: list[TierBlock] = []
+            if self.tiers is not None:
+                loads = self.tiers.lookup(request, len(hit_blocks))
+                self.tiers.pin(request, len(hit_blocks), loads)
+            num_loaded = len(loads) * self.kv.block_size
+            num_new = min(request.num_tokens - num_hit - num_loaded, budget)
+            if not self.kv.allocate_slots(request, num_loaded + num_new, hit_blocks):
                 break
             self.waiting.pop()
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
                 self.kv.record_lookup(request.num_tokens, num_hit)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit + num_new
+            request.num_computed_tokens = num_hit + num_loaded + num_new
             request.on_worker = True
             block_ids = self.kv.block_ids(request.request_id)
+            if self.tiers is not None:
+                self.tiers.commit(request, loads, block_ids, len(hit_blocks))
             request.num_blocks_sent = len(block_ids)
             self.running.append(request)
             samples = request.num_computed_tokens == request.num_tokens
             request.num_output_placeholders = int(samples)
-            out.new_requests.append(NewRequestPlan(request, block_ids, num_hit, num_new, samples))
+            out.new_requests.append(NewRequestPlan(request, block_ids, num_hit + num_loaded, num_new, samples, loads))
             out.total_num_scheduled_tokens += num_new
             budget -= num_new
 
@@ -322,6 +352,8 @@ class Scheduler:
         return None
 
     def _release(self, request: Request, status: RequestStatus) -> None:
+        if self.tiers is not None:
+            self.tiers.on_release(request, self.kv.blocks_of(request.request_id))
         self.kv.free(request)
         if request.on_worker:
             self._drop_on_worker.append(request.request_id)

@@ -7,18 +7,22 @@ import uuid
 from dataclasses import dataclass
 
 from kvgrid.v1 import worker_pb2
+from services.common import kv_keys
 from services.common.config import Config
 from services.common.default_model import resolve_model
+from services.common.errors import InvalidArgument
 from services.common.metrics import WorkerMetrics
 
 from .engine import LoadedModel, create_runner, max_model_len
+from .kv_transfer import HostTier, KvTransfer, RedisTier
+from .kv_transfer.blocks import block_shape
 from .loader import ModelLoadError, eos_token_ids, load_tokenizer, tokenizer_files
 from .memory import MemoryFigures
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, SampledRow
 from .parallel.plan import load_rank, plan_rank, tensor_parallel_size
 from .parallel.ranks import Ranks, start_ranks
 from .sampling_params import RequestSampling
-from .state import RequestStates
+from .state import RequestState, RequestStates
 from .structured import GrammarCache
 
 log = logging.getLogger(__name__)
@@ -31,6 +35,8 @@ class WorkerCore:
     seed: int | None
     grammars: GrammarCache
     ranks: Ranks | None = None  # --tensor-parallel-size > 1: ranks 1..N-1, fed each step by the runner
+    # Moves blocks to and from the KV tiers (--kv-tiers); None when they are off.
+    kv_transfer: KvTransfer | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -39,6 +45,18 @@ class WorkerCore:
     @property
     def vocab_size(self) -> int:
         return self.handshake.vocab_size
+
+    def check_plan(self, plan: worker_pb2.StepPlan) -> None:
+        """The plan's KV tier moves, checked before the request states apply it; raises InvalidArgument."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.check(plan)
+        elif plan.kv_saves or any(new.kv_loads for new in plan.new_requests):
+            raise InvalidArgument("kv_saves", "this worker serves no KV tiers (--kv-tiers)")
+
+    def execute(self, plan: worker_pb2.StepPlan, scheduled: list[RequestState]) -> tuple[list[SampledRow], int]:
+        """The plan's KV tier moves, then the step; also returns the tokens planned as loads that were computed."""
+        num_failed = self.kv_transfer.apply(plan, scheduled) if self.kv_transfer is not None else 0
+        return self.runner.execute(scheduled), num_failed
 
     def request_states(self) -> RequestStates:
         """Empty per-request state for one plan stream (the Execute stream, or an offline engine)."""
@@ -115,7 +133,42 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
     if metrics is not None:
         record_metrics(metrics, loaded, figures)
     grammars = grammar_cache(handshake)
-    return WorkerCore(runner, handshake, config.model.seed, grammars, ranks)
+    transfer = build_kv_transfer(config, runner, handshake, metrics)
+    return WorkerCore(runner, handshake, config.model.seed, grammars, ranks, transfer)
+
+
+def build_kv_transfer(
+    config: Config, runner: ModelRunner, handshake: worker_pb2.HandshakeResponse, metrics: WorkerMetrics | None
+) -> KvTransfer | None:
+    """The tiers of --kv-tiers, announced in the handshake (host slots, tier names); None when off."""
+    names = config.cache.kv_tier_names
+    if not names:
+        return None
+    host = redis_tier = None
+    if "host" in names:
+        num_slots = config.cache.kv_host_memory // handshake.bytes_per_block
+        if num_slots < 1:
+            raise ModelLoadError(
+                f"--kv-host-memory {config.cache.kv_host_memory} holds no KV block ({handshake.bytes_per_block} bytes)"
+            )
+        host = HostTier(runner.kv_caches, num_slots)
+        handshake.num_host_blocks = num_slots
+        log.info("host KV tier: %d blocks (%.1f MiB)", num_slots, num_slots * handshake.bytes_per_block / 2**20)
+    if "redis" in names:
+        import redis
+
+        client = redis.Redis.from_url(config.cache.kv_redis_url, socket_timeout=5.0, socket_connect_timeout=1.0)
+        ns = kv_keys.namespace(handshake.model, handshake.dtype, handshake.block_size, handshake.bytes_per_block)
+
+        def on_failure(op: str) -> None:
+            if metrics is not None:
+                metrics.kv_tier_failures.labels(model=metrics.model, tier="redis", op=op).inc()
+
+        k0 = runner.kv_caches[0][0]
+        redis_tier = RedisTier(client, ns, block_shape(runner.kv_caches), k0.dtype, on_failure)
+        log.info("redis KV tier: %s", config.cache.kv_redis_url)
+    handshake.kv_tiers.extend(names)
+    return KvTransfer(runner.kv_caches, runner.block_size, host, redis_tier, metrics)
 
 
 def grammar_cache(handshake: worker_pb2.HandshakeResponse) -> GrammarCache:

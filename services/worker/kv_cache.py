@@ -23,13 +23,13 @@ def allocate_kv_cache(
     """
     shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
     if torch.device(device).type == "cpu":
-        cache = _lazily_zeroed(shape, dtype)
+        cache = lazily_zeroed(shape, dtype)
     else:
         cache = torch.zeros(shape, dtype=dtype, device=device)
     return [(cache[i, 0], cache[i, 1]) for i in range(num_layers)]
 
 
-def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Zeros that cost nothing until touched: numpy's zeros is calloc, which hands out fresh pages the kernel
     zero-fills on first use, where ``torch.zeros`` writes every byte up front (seconds per GiB)."""
     raw = np.zeros((*shape[:-1], shape[-1] * dtype.itemsize), dtype=np.uint8)

@@ -70,15 +70,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for plan in request_iterator:
                 started = time.perf_counter()
                 spans.end(plan.finished_ids)
+                core.check_plan(plan)
                 scheduled = states.apply(plan)
                 spans.start(plan.new_requests)
                 spans.step(scheduled)
-                rows = await loop.run_in_executor(self.model_thread, core.runner.execute, scheduled)
+                rows, num_failed = await loop.run_in_executor(self.model_thread, core.execute, plan, scheduled)
                 seconds = time.perf_counter() - started
                 if self.metrics is not None:
                     self.metrics.step_seconds.observe(seconds)
                 yield worker_pb2.StepResult(
-                    step_id=plan.step_id, sampled=[_sampled(row) for row in rows], execute_seconds=seconds
+                    step_id=plan.step_id,
+                    sampled=[_sampled(row) for row in rows],
+                    execute_seconds=seconds,
+                    num_kv_load_failed_tokens=num_failed,
                 )
         finally:
             self._open.remove(states)

@@ -304,3 +304,29 @@ def test_notes_tell_how_to_call_the_service(chart):
     assert f"port-forward svc/{RELEASE}-kvgrid-tokenizer 50051:50051" in notes
     assert 'kvgrid generate "' in notes and "--addr localhost:50051" in notes
     assert "kvgrid.v1.TextGeneration/Generate" in notes
+
+
+def test_opt_in_redis_serves_the_kv_tier_url_of_every_group(chart):
+    values = {"redis": {"enabled": True}, "config": {"KVGRID_KV_TIERS": "host,redis"}, "groups": 2}
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE, kube_version="v" + KUBE_VERSION)
+    assert report["errors"] == [] and not [m for m in report["messages"] if m["severity"] >= 2]
+    objects, _ = _render(chart, values)
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    redis = _one(objects, "Deployment", "redis")
+    service = _one(objects, "Service", "redis")
+    pod = redis["spec"]["template"]
+    assert _matches(service["spec"]["selector"], pod["metadata"]["labels"])
+    assert service["spec"]["ports"][0]["targetPort"] in _port_numbers(pod["spec"]["containers"][0])[1]
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    data = _kind(objects, "ConfigMap")[0]["data"]
+    assert data["KVGRID_KV_REDIS_URL"] == f"redis://{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local:6379/0"
+    assert data["KVGRID_KV_TIERS"] == "host,redis"
+    # off by default; an external URL is taken as given
+    assert not [o for o in _render(chart, {})[0] if o["metadata"]["name"].endswith("-redis")]
+    external = {"config": {"KVGRID_KV_TIERS": "redis", "KVGRID_KV_REDIS_URL": "redis://cache:6379/1"}}
+    objects, _ = _render(chart, external)
+    assert _kind(objects, "ConfigMap")[0]["data"]["KVGRID_KV_REDIS_URL"] == "redis://cache:6379/1"
+    assert not [o for o in objects if o["metadata"]["name"].endswith("-redis")]
+    with pytest.raises(helm.HelmError):
+        chart.render({"config": {"KVGRID_KV_TIERS": "disk"}}, name=RELEASE, namespace=NAMESPACE)

@@ -130,6 +130,8 @@ class FakeModel:
         self.kv: dict[int, dict[int, int]] = {}
         # The trace_context each request arrived with (last NewRequest).
         self.trace_contexts: dict[str, dict[str, str]] = {}
+        # KV tiers: ("host", slot) or ("redis", key) -> a saved block's kv entry. Share the dict to share a tier.
+        self.tier_store: dict[tuple, dict[int, int]] = {}
 
     def step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
         """Run one plan; raises AssertionError on any protocol violation."""
@@ -138,6 +140,13 @@ class FakeModel:
         for request_id in plan.finished_ids:
             assert request_id in seqs, f"finished id {request_id!r} is not held"
             del seqs[request_id]
+        # Saves copy blocks before anything in the step writes them; loads fill a new request's blocks.
+        for save in plan.kv_saves:
+            self.tier_store[_tier_key(save)] = dict(kv.get(save.block_id, {}))
+        for new in plan.new_requests:
+            for load in new.kv_loads:
+                assert _tier_key(load) in self.tier_store, f"{new.request_id}: loads {_tier_key(load)}, never saved"
+                kv[load.block_id] = dict(self.tier_store[_tier_key(load)])
         scheduled: list[tuple[str, int]] = []
         for new in plan.new_requests:
             assert new.request_id not in seqs, f"new request {new.request_id!r} is held already"
@@ -183,6 +192,11 @@ class FakeModel:
                     item.logprob.CopyFrom(common_pb2.TokenLogprob(token_id=token, logprob=-1.0))
                 sampled.append(item)
         return worker_pb2.StepResult(step_id=plan.step_id, sampled=sampled, execute_seconds=0.0)
+
+
+def _tier_key(block: worker_pb2.KvTierBlock) -> tuple:
+    tier = block.WhichOneof("tier")
+    return (tier, getattr(block, tier))
 
 
 @dataclass(slots=True)

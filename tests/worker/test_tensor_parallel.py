@@ -190,6 +190,7 @@ def test_a_size_the_default_model_cannot_split_is_refused_in_one_line():
     [
         ({"quantization": "gguf"}, "--quantization gguf cannot be split"),
         ({"cpu_kernels": "native"}, "--cpu-kernels native runs a whole unsharded layer"),
+        ({"kv_tiers": "host"}, "--kv-tiers moves whole blocks of one KV cache"),
     ],
 )
 def test_options_a_sharded_model_cannot_take_are_refused(flags, problem):

@@ -65,6 +65,11 @@ def check_options(config: Config, size: int) -> None:
             f"--cpu-kernels native runs a whole unsharded layer per call; with --tensor-parallel-size {size}"
             " use --cpu-kernels auto or torch"
         )
+    if config.cache.kv_tier_names:
+        raise ModelLoadError(
+            f"--kv-tiers moves whole blocks of one KV cache; with --tensor-parallel-size {size} each rank holds"
+            " a share of the KV heads, which the tiers do not move yet: leave --kv-tiers empty"
+        )
 
 
 def load_rank(config: Config, model_path: str, rank: int, size: int, group: DistGroup | None) -> LoadedModel:

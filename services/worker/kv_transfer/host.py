@@ -1,0 +1,38 @@
+"""The host-memory KV tier: ``num_slots`` block-sized slots in (pinned, on CUDA) host memory.
+
+The scheduler owns the slot map (``services.scheduler.kv_tiers.HostIndex``); this only copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kv_cache import lazily_zeroed
+from .blocks import KvCaches, block_shape, gather, scatter
+
+
+class HostTier:
+    def __init__(self, kv_caches: KvCaches, num_slots: int):
+        self.kv_caches = kv_caches
+        layers, two, *rest = block_shape(kv_caches)
+        k0 = kv_caches[0][0]
+        shape = (layers, two, num_slots, *rest)  # [layers, 2, num_slots, block_size, kv_heads, head_dim]
+        if k0.device.type == "cuda":
+            self.slots = torch.empty(shape, dtype=k0.dtype, pin_memory=True)
+        else:
+            # Fresh pages from calloc, as the KV cache itself: with a 2 GiB torch.empty here instead, every later
+            # step of the default model on CPU ran several times slower (measured; kv_tiers_bench).
+            self.slots = lazily_zeroed(shape, k0.dtype)
+        self.bytes_per_block = k0[0].numel() * k0.element_size() * 2 * layers
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots.shape[2]
+
+    def save(self, block_ids: list[int], slots: list[int]) -> None:
+        index = torch.tensor(slots, dtype=torch.int64)
+        self.slots.index_copy_(2, index, gather(self.kv_caches, block_ids).cpu())
+
+    def load(self, slots: list[int], block_ids: list[int]) -> None:
+        index = torch.tensor(slots, dtype=torch.int64)
+        scatter(self.kv_caches, block_ids, self.slots.index_select(2, index))

@@ -1,0 +1,71 @@
+"""One KV block as a self-describing byte string: a header naming what it is, then K and V of all layers.
+
+Value = ``MAGIC`` + 4-byte little-endian header length + JSON header + payload. The header names the key and
+namespace the block was written under, its tensor shape and dtype, the payload length and its CRC-32; a
+reader rejects a value whose header does not match what it asked for in every one of those, so a value
+written by another model, dtype or block size, a truncated value and a corrupted one all read as missing
+(and are recomputed), never as wrong K/V. Payload: the block's ``[layers, 2 (K, V), block_size, kv_heads,
+head_dim]`` tensor, contiguous, in native byte order.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import warnings
+import zlib
+
+import numpy as np
+import torch
+
+MAGIC = b"KVGRIDKV"
+_LEN = struct.Struct("<I")
+
+
+class BadBlock(ValueError):
+    """A stored value that is not the block asked for."""
+
+
+def encode(key: str, namespace: str, block: torch.Tensor) -> bytes:
+    """``block``: a CPU tensor [layers, 2, block_size, kv_heads, head_dim]."""
+    payload = block.contiguous().view(torch.uint8).numpy().tobytes()
+    header = json.dumps(
+        {
+            "key": key,
+            "namespace": namespace,
+            "shape": list(block.shape),
+            "dtype": str(block.dtype).removeprefix("torch."),
+            "nbytes": len(payload),
+            "crc32": zlib.crc32(payload),
+        }
+    ).encode()
+    return b"".join((MAGIC, _LEN.pack(len(header)), header, payload))
+
+
+def decode(value: bytes, key: str, namespace: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The block stored in ``value``, checked against what the reader expects; raises BadBlock."""
+    if not value.startswith(MAGIC) or len(value) < len(MAGIC) + _LEN.size:
+        raise BadBlock("not a kvgrid KV block")
+    start = len(MAGIC) + _LEN.size
+    (header_len,) = _LEN.unpack_from(value, len(MAGIC))
+    try:
+        header = json.loads(value[start : start + header_len])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadBlock(f"unreadable header: {exc}") from exc
+    if not isinstance(header, dict):
+        raise BadBlock("unreadable header")
+    want = {"key": key, "namespace": namespace, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+    for name, expected in want.items():
+        if header.get(name) != expected:
+            raise BadBlock(f"{name} is {header.get(name)!r}, expected {expected!r}")
+    payload_start = start + header_len
+    nbytes = len(value) - payload_start
+    if header.get("nbytes") != nbytes or nbytes != int(np.prod(shape)) * dtype.itemsize:
+        raise BadBlock(f"payload of {nbytes} bytes, header says {header.get('nbytes')}")
+    view = memoryview(value)[payload_start:]
+    if zlib.crc32(view) != header.get("crc32"):
+        raise BadBlock("payload checksum mismatch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffer: the tensor is only copied from
+        raw = torch.from_numpy(np.frombuffer(view, dtype=np.uint8))
+    return raw.view(dtype).view(shape)

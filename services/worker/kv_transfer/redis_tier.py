@@ -1,0 +1,103 @@
+"""The shared Redis KV tier, worker side: one key per block, written in the background, read in batches.
+
+Writes never stall a step: the step only copies the blocks to host memory and queues them; a writer
+thread encodes them and sends them (SET NX: a key already there is left alone). When the queue is full
+(Redis slower than the saves), a batch is dropped and counted. Reads go in MGET round trips of
+``BLOCKS_PER_TRIP`` blocks (256 tokens at block size 16); the first block that is missing or does not
+decode ends the load (the rest of the prompt is recomputed).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import layout
+
+log = logging.getLogger(__name__)
+
+BLOCKS_PER_TRIP = 16
+MAX_QUEUED_BATCHES = 64
+
+
+class RedisTier:
+    def __init__(
+        self,
+        client: Any,
+        namespace: str,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        on_failure: Callable[[str], None] = lambda op: None,
+    ):
+        self.client = client
+        self.namespace = namespace
+        self.block_shape = block_shape
+        self.dtype = dtype
+        self.on_failure = on_failure
+        self._queue: queue.Queue = queue.Queue(MAX_QUEUED_BATCHES)
+        self._writer = threading.Thread(target=self._write_loop, name="kv-redis-writer", daemon=True)
+        self._writer.start()
+
+    def save(self, keys: list[str], blocks: torch.Tensor) -> bool:
+        """Queue ``blocks`` [layers, 2, n, ...] (a CPU copy the caller no longer touches) under ``keys``."""
+        try:
+            self._queue.put_nowait((keys, blocks))
+            return True
+        except queue.Full:
+            log.warning("redis KV tier: %d blocks dropped, the writer is behind", len(keys))
+            self.on_failure("save")
+            return False
+
+    def flush(self) -> None:
+        """Wait until every queued block was sent (or failed)."""
+        self._queue.join()
+
+    def load(self, keys: list[str]) -> list[torch.Tensor]:
+        """The blocks of the longest prefix of ``keys`` that Redis holds and that decode as asked."""
+        out: list[torch.Tensor] = []
+        for start in range(0, len(keys), BLOCKS_PER_TRIP):
+            trip = keys[start : start + BLOCKS_PER_TRIP]
+            try:
+                values = self.client.mget(trip)
+            except Exception as exc:  # noqa: BLE001 - any client or connection error: recompute
+                log.warning("redis KV tier: load failed (%s: %s); recomputing", type(exc).__name__, exc)
+                self.on_failure("load")
+                return out
+            for key, value in zip(trip, values, strict=True):
+                if value is None:
+                    self.on_failure("missing")
+                    return out
+                try:
+                    out.append(layout.decode(value, key, self.namespace, self.block_shape, self.dtype))
+                except layout.BadBlock as exc:
+                    log.warning("redis KV tier: %s rejected (%s); recomputing", key, exc)
+                    self.on_failure("rejected")
+                    self._delete(key)
+                    return out
+        return out
+
+    def _delete(self, key: str) -> None:
+        """A value that does not decode is dropped, so the block is written again once recomputed."""
+        try:
+            self.client.delete(key)
+        except Exception:  # noqa: BLE001, S110 - best effort
+            pass
+
+    def _write_loop(self) -> None:
+        while True:
+            keys, blocks = self._queue.get()
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                for j, key in enumerate(keys):
+                    pipe.set(key, layout.encode(key, self.namespace, blocks[:, :, j]), nx=True)
+                pipe.execute()
+            except Exception as exc:  # noqa: BLE001 - Redis down or full: the blocks are simply not shared
+                log.warning("redis KV tier: save of %d blocks failed (%s: %s)", len(keys), type(exc).__name__, exc)
+                self.on_failure("save")
+            finally:
+                self._queue.task_done()

@@ -1,0 +1,146 @@
+"""Running a step plan's KV tier moves: saves first, then loads, both before the forward pass.
+
+Order matters: a save reads a device block that this plan's loads or forward pass may overwrite (the
+block was evicted and handed to another request), so every save is done first; a load then fills the
+request's fresh blocks. A load that fails turns into computation: the request's computed count goes
+back to the first block not loaded and its scheduled tokens grow by as much, so the step computes the
+rest of the prompt and samples exactly where the scheduler expects.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kvgrid.v1 import worker_pb2
+from services.common.errors import InvalidArgument
+from services.common.metrics import WorkerMetrics
+
+from ..state import RequestState
+from .blocks import KvCaches, gather, scatter
+from .host import HostTier
+from .redis_tier import RedisTier
+
+log = logging.getLogger(__name__)
+
+
+class KvTransfer:
+    def __init__(
+        self,
+        kv_caches: KvCaches,
+        block_size: int,
+        host: HostTier | None = None,
+        redis: RedisTier | None = None,
+        metrics: WorkerMetrics | None = None,
+    ):
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.host = host
+        self.redis = redis
+        self.metrics = metrics
+        k0 = kv_caches[0][0]
+        self.bytes_per_block = k0[0].numel() * k0.element_size() * 2 * len(kv_caches)
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [name for name, tier in (("host", self.host), ("redis", self.redis)) if tier is not None]
+
+    def check(self, plan: worker_pb2.StepPlan) -> None:
+        """Raises InvalidArgument for tier moves this worker cannot do (checked before the plan changes anything)."""
+        num_blocks = self.kv_caches[0][0].shape[0]
+        for where, block in [("kv_saves", save) for save in plan.kv_saves] + [
+            ("new_requests.kv_loads", load) for new in plan.new_requests for load in new.kv_loads
+        ]:
+            tier = block.WhichOneof("tier")
+            if block.block_id >= num_blocks:
+                raise InvalidArgument(where, f"block id {block.block_id} past the cache ({num_blocks} blocks)")
+            if tier == "host_slot" and (self.host is None or block.host_slot >= self.host.num_slots):
+                raise InvalidArgument(where, f"host slot {block.host_slot} is not in this worker's host tier")
+            if tier != "host_slot" and (self.redis is None or not block.redis_key):
+                raise InvalidArgument(where, "a redis key, but this worker serves no redis tier")
+        for new in plan.new_requests:
+            first = new.num_computed_tokens // self.block_size - len(new.kv_loads)
+            loaded = [load.block_id for load in new.kv_loads]
+            if new.kv_loads and (first < 0 or list(new.block_ids[first : first + len(loaded)]) != loaded):
+                raise InvalidArgument(
+                    "new_requests.kv_loads", f"{new.request_id}: loads must fill the blocks before the computed count"
+                )
+
+    def apply(self, plan: worker_pb2.StepPlan, scheduled: list[RequestState]) -> int:
+        """Saves, then loads; returns how many tokens planned as loads will be computed instead."""
+        if plan.kv_saves:
+            self._save(plan.kv_saves)
+        num_failed = 0
+        if any(new.kv_loads for new in plan.new_requests):
+            states = {state.request_id: state for state in scheduled}
+            for new in plan.new_requests:
+                if new.kv_loads:
+                    num_failed += self._load(new, states[new.request_id])
+        return num_failed
+
+    def _save(self, saves) -> None:
+        host_blocks, host_slots, redis_blocks, redis_keys = [], [], [], []
+        for save in saves:
+            if save.WhichOneof("tier") == "host_slot":
+                host_blocks.append(save.block_id)
+                host_slots.append(save.host_slot)
+            else:
+                redis_blocks.append(save.block_id)
+                redis_keys.append(save.redis_key)
+        if host_blocks and self.host is not None:
+            self.host.save(host_blocks, host_slots)
+            self._count_bytes("saved", "host", len(host_blocks))
+        if redis_blocks and self.redis is not None:
+            # Copied now (this very step may overwrite the blocks); sent in the background.
+            blocks = gather(self.kv_caches, redis_blocks).cpu()
+            if self.redis.save(redis_keys, blocks):
+                self._count_bytes("saved", "redis", len(redis_blocks))
+
+    def _load(self, new: worker_pb2.NewRequest, state: RequestState) -> int:
+        """Fill the request's loaded blocks; on a failure, compute from the first block not loaded."""
+        bs = self.block_size
+        first = new.num_computed_tokens // bs - len(new.kv_loads)
+        loads = list(new.kv_loads)
+        num_loaded = 0
+        host = [load for load in loads if load.WhichOneof("tier") == "host_slot"]
+        if host:  # host hits come first in the chain and cannot fail: the scheduler's slot map is exact
+            started = time.perf_counter()
+            self.host.load([load.host_slot for load in host], [load.block_id for load in host])
+            self._observe("host", len(host), time.perf_counter() - started)
+            num_loaded = len(host)
+        remote = loads[num_loaded:]
+        if remote:
+            started = time.perf_counter()
+            blocks = self.redis.load([load.redis_key for load in remote]) if self.redis is not None else []
+            if blocks:
+                data = blocks[0].new_empty((*blocks[0].shape[:2], len(blocks), *blocks[0].shape[2:]))
+                for j, block in enumerate(blocks):
+                    data[:, :, j] = block
+                scatter(self.kv_caches, [load.block_id for load in remote[: len(blocks)]], data)
+            self._observe("redis", len(blocks), time.perf_counter() - started)
+            num_loaded += len(blocks)
+        if num_loaded == len(loads):
+            return 0
+        resume = (first + num_loaded) * bs
+        num_failed = state.num_computed_tokens - resume
+        log.warning(
+            "request %s: %d tokens could not be loaded from the KV tiers; computing them", new.request_id, num_failed
+        )
+        state.num_scheduled_tokens += num_failed
+        state.num_computed_tokens = resume
+        return num_failed
+
+    def flush(self) -> None:
+        """Wait for background saves (tests and benchmarks, before another group reads them)."""
+        if self.redis is not None:
+            self.redis.flush()
+
+    def _observe(self, tier: str, num_blocks: int, seconds: float) -> None:
+        self._count_bytes("loaded", tier, num_blocks)
+        if self.metrics is not None:
+            self.metrics.kv_tier_load_seconds.labels(model=self.metrics.model, tier=tier).observe(seconds)
+
+    def _count_bytes(self, what: str, tier: str, num_blocks: int) -> None:
+        if self.metrics is not None and num_blocks:
+            counter = self.metrics.kv_tier_saved_bytes if what == "saved" else self.metrics.kv_tier_loaded_bytes
+            counter.labels(model=self.metrics.model, tier=tier).inc(num_blocks * self.bytes_per_block)
