@@ -54,8 +54,10 @@ class TokenizerServer:
         left = await self.state.wait_streams_done(grace)
         if left:
             log.warning("%d streams still running after the %gs shutdown grace; cancelling them", left, grace)
-        # The streams are done (or out of time): a second for idle keep-alive HTTP connections to close.
-        await asyncio.gather(self.server.stop(0), self.http.close(1.0))
+        # The streams are done (or out of time): a second for their last messages and status to reach the clients
+        # (a finished handler's writes may still be queued; stop(0) would cancel them) and for idle keep-alive HTTP
+        # connections to close.
+        await asyncio.gather(self.server.stop(1.0), self.http.close(1.0))
         await self.engine.close()
 
     async def wait_for_termination(self) -> None:
