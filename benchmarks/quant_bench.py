@@ -59,6 +59,7 @@ def main() -> None:
         weight = torch.randn(n, k) * 0.05
         packed = {"int8": formats.quantize_int8(weight), "q8_0": ggml_pack("q8_0", weight)}
         packed["q4_1"] = ggml_pack("q4_1", weight)
+        packed = {fmt: formats.tile(p) for fmt, p in packed.items()}  # as models hold them
         for _ in range(args.rounds):
             for rows in rows_list:
                 x = torch.randn(rows, k)

@@ -59,6 +59,27 @@ def test_dequantize_equals_ggml(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
+def test_tiling_moves_bytes_only(fmt):
+    """The kernels' tiled layout: whole tiles of rows, each value where the layout puts it, and back."""
+    n, k = 13, 45 if fmt == "int8" else 64
+    packed = pack(fmt, randn(n, k, seed=13))
+    tiled = formats.tile(packed)
+    assert tiled.tiled and tiled.shape == (n, k) and tiled.data.shape[0] == 16
+    assert torch.equal(formats.untile(tiled).data, packed.data)
+    assert torch.equal(formats.dequantize(tiled), formats.dequantize(packed))
+    # row 9 is row 1 of the second tile: its first four values sit at bytes 4-7 of that tile's values
+    first = tiled.data.view(-1)[tiled.data.numel() // 2 :]  # tile 1, block 0
+    header = {"int8": 0, "q4_1": 32}.get(fmt, 16)
+    values = first[header + 4 : header + 8]
+    if fmt.startswith("q4"):
+        expected, _, _ = formats.block_values(packed)  # nibbles: value j low, j + 16 high
+        assert (values.int() & 15).tolist() == (expected[9, 0, :4] + (8 if fmt == "q4_0" else 0)).tolist()
+    else:
+        row = packed.data[9] if fmt == "int8" else packed.data[9, 2:6]
+        assert values.view(torch.int8).tolist() == row[:4].view(torch.int8).tolist()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
 @pytest.mark.parametrize("rows,n,k", [(1, 64, 64), (3, 37, 96), (9, 130, 160)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_equals_reference(lib, fmt, rows, n, k, dtype):

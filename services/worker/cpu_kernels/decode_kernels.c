@@ -274,7 +274,8 @@ void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const
             attention_chunk(qf, k_cache, v_cache, table, t0, t1, kvh, KV, G, D, block_size, scale, part, F32);
         free(qf);
     }
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+    /* The merge is D multiply-adds per chunk and head: a team of threads pays off for many heads only. */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)B * H * chunks * D > 65536)
     for (int head = 0; head < B * H; head++) {
         const int b = head / H, kvh = head % H / G, g = head % H % G;
         const float *first = parts + ((int64_t)(b * KV + kvh) * chunks) * part_size + (int64_t)g * (D + 2);

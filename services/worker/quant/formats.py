@@ -9,7 +9,14 @@ A ``PackedWeight`` is an [N, K] matrix (N output channels, K inputs) stored row 
   bytes of nibbles (w = d (q - 8)); q4_1 = fp16 d + fp16 m + 16 bytes (w = d q + m). Byte j of
   a block's nibbles holds value j in its low half and value j + 16 in its high half.
 
-Every function here is the slow, obvious definition the native kernels are tested against.
+The native kernels read a tiled copy instead (``tile``; ``PackedWeight.tiled``): rows in tiles of
+``TILE``, and per (tile, block of 32 along K) one record with the tile's fp16 scales d (q8_0, q4_*),
+then its fp16 offsets m (q4_1), then the values 4 bytes at a time, row after row: bytes 0-3 of rows
+0..7, then bytes 4-7, and so on (see ``quant_kernels.c`` for why). Tiling moves bytes only: the same
+blocks, the same size (plus zero rows up to a whole tile, and for int8 zeros up to whole blocks).
+
+Every other function here is the slow, obvious definition the native kernels are tested against;
+they take either layout.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 BLOCK = 32  # values per ggml block
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
 FORMAT_CODES = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3}  # see quant_kernels.c
+TILE = 8  # rows per tile of the tiled layout
 
 
 @dataclass(slots=True)
@@ -29,10 +37,16 @@ class PackedWeight:
     data: torch.Tensor  # int8: [N, K] int8; ggml formats: [N, K / 32 * block bytes] uint8
     num_cols: int  # K
     scales: torch.Tensor | None = None  # int8: [N] float32
+    num_rows: int = -1  # N; data has more rows once tiled (whole tiles)
+    tiled: bool = False  # data in the kernels' tiled layout (see the module docstring)
+
+    def __post_init__(self):
+        if self.num_rows < 0:
+            self.num_rows = self.data.shape[0]
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.data.shape[0], self.num_cols
+        return self.num_rows, self.num_cols
 
     @property
     def nbytes(self) -> int:
@@ -40,13 +54,16 @@ class PackedWeight:
         return self.data.numel() * self.data.element_size() + extra
 
     def rows(self, index: torch.Tensor) -> PackedWeight:
-        """The rows ``index`` (an embedding lookup, or a permutation of output channels)."""
+        """The rows ``index`` (an embedding lookup, or a permutation of output channels), untiled."""
+        if self.tiled:
+            return untile(self).rows(index)
         scales = None if self.scales is None else self.scales[index]
         return PackedWeight(self.format, self.data[index].contiguous(), self.num_cols, scales)
 
 
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     """Stack along N (fused q/k/v, gate/up); all parts share one format and K."""
+    parts = [untile(p) for p in parts]
     first = parts[0]
     if any(p.format != first.format or p.num_cols != first.num_cols for p in parts):
         raise ValueError("fused weights must share one packed format and width")
@@ -62,7 +79,58 @@ def quantize_int8(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight("int8", q.contiguous(), w.shape[1], scales.contiguous())
 
 
+def _record_layout(fmt: str) -> tuple[int, int]:
+    """(fp16 fields per row in a block: d, and m for q4_1; 4-byte value chunks per row in a block)."""
+    if fmt == "int8":
+        return 0, BLOCK // 4
+    return (2 if fmt == "q4_1" else 1), (BLOCK // 8 if fmt.startswith("q4") else BLOCK // 4)
+
+
+def tile(packed: PackedWeight) -> PackedWeight:
+    """The tiled copy the native kernels read (the same values; see the module docstring)."""
+    if packed.tiled:
+        return packed
+    n, k = packed.shape
+    rows = -(-n // TILE) * TILE
+    fields, chunks = _record_layout(packed.format)
+    if packed.format == "int8":
+        width = -(-k // BLOCK) * BLOCK
+        blocks = torch.zeros(rows, width, dtype=torch.int8)
+        blocks[:n, :k] = packed.data
+        blocks = blocks.view(rows // TILE, TILE, width // BLOCK, BLOCK)
+    else:
+        width = packed.data.shape[1]
+        blocks = torch.zeros(rows, width, dtype=torch.uint8)
+        blocks[:n] = packed.data
+        blocks = blocks.view(rows // TILE, TILE, k // BLOCK, BLOCK_BYTES[packed.format])
+    blocks = blocks.transpose(1, 2)  # [tiles, blocks, TILE, block bytes]
+    t, b = blocks.shape[:2]
+    header = blocks[..., : 2 * fields].reshape(t, b, TILE, fields, 2).transpose(2, 3)
+    values = blocks[..., 2 * fields :].reshape(t, b, TILE, chunks, 4).transpose(2, 3)
+    records = torch.cat([header.reshape(t, b, 2 * fields * TILE), values.reshape(t, b, 4 * chunks * TILE)], dim=-1)
+    return PackedWeight(packed.format, records.reshape(rows, width), k, packed.scales, n, tiled=True)
+
+
+def untile(packed: PackedWeight) -> PackedWeight:
+    """The row-by-row layout of a tiled weight (``tile`` undone)."""
+    if not packed.tiled:
+        return packed
+    n, k = packed.shape
+    rows, width = packed.data.shape
+    fields, chunks = _record_layout(packed.format)
+    t, b = rows // TILE, -(-k // BLOCK)
+    records = packed.data.reshape(t, b, -1)
+    header = records[..., : 2 * fields * TILE].reshape(t, b, fields, TILE, 2).transpose(2, 3)
+    values = records[..., 2 * fields * TILE :].reshape(t, b, chunks, TILE, 4).transpose(2, 3)
+    blocks = torch.cat([header.reshape(t, b, TILE, 2 * fields), values.reshape(t, b, TILE, 4 * chunks)], dim=-1)
+    data = blocks.transpose(1, 2).reshape(rows, width)[:n]
+    if packed.format == "int8":
+        data = data[:, :k]
+    return PackedWeight(packed.format, data.contiguous(), k, packed.scales, n)
+
+
 def _blocks(packed: PackedWeight) -> torch.Tensor:  # [N, K / 32, block bytes] uint8
+    packed = untile(packed)
     n, k = packed.shape
     return packed.data.view(n, k // BLOCK, BLOCK_BYTES[packed.format])
 
@@ -87,6 +155,7 @@ def block_values(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torc
 
 def dequantize(packed: PackedWeight) -> torch.Tensor:
     """The float32 [N, K] matrix the packed one stands for."""
+    packed = untile(packed)
     if packed.format == "int8":
         return packed.data.float() * packed.scales[:, None]
     q, d, m = block_values(packed)
@@ -115,6 +184,7 @@ def reference_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor |
     """What the native quantized GEMV computes, in float64: x quantized per block, integer dot
     products per block, scaled by the weight's and the activation's block scales. [M, K] -> [M, N] float32."""
     qx, dx = quantize_activations(x)  # [M, B, 32], [M, B]
+    packed = untile(packed)
     n, k = packed.shape
     if packed.format == "int8":
         w = torch.zeros(n, qx.shape[1] * BLOCK, dtype=torch.int64)

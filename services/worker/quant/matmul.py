@@ -1,7 +1,8 @@
 """Products with packed weights: the native quantized linear, or torch over weights dequantized per call.
 
-``quant_kernels.c`` does y = x W^T with integer dot products over the packed bytes (each weight
-byte read and unpacked once per call, whatever the row count). Steps of at least
+``quant_kernels.c`` does y = x W^T with integer dot products over the packed bytes in their tiled
+layout (``formats.tile``: models tile their weights once at load; an untiled weight is tiled per
+call here). Steps of at least
 ``DEQUANTIZE_ROWS`` rows (long prefill chunks) are compute-bound instead: there the weight is
 dequantized to float32 for the call (cheap next to the GEMM) and torch's GEMM does the product.
 Without the native library (no C compiler) every product takes that second way.
@@ -13,11 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from ..cpu_kernels.library import DTYPE_CODES, NativeKernelsUnavailable, load_quant
-from .formats import FORMAT_CODES, PackedWeight, dequantize
+from .formats import FORMAT_CODES, PackedWeight, dequantize, tile
 
-# Rows from which a float32 GEMM over a per-call dequantized copy beats the integer kernel.
-# Measured with benchmarks/quant_bench.py on a 2-core AVX2 CPU (see its docstring).
-DEQUANTIZE_ROWS = 64
+# Rows from which a float32 GEMM over a per-call dequantized copy beats the integer kernel. Whole
+# int8 decode steps on 2 cores (tiled kernel): native 1.6x faster at 64 rows and faster at 96, the
+# dequantized GEMM 2-3x faster at 128.
+DEQUANTIZE_ROWS = 100
 
 
 def _native():
@@ -37,6 +39,7 @@ def dequantize_rows(packed: PackedWeight, index: torch.Tensor | None = None) -> 
     if lib is None:
         full = dequantize(packed)
         return full if index is None else full[index]
+    packed = tile(packed)
     count = packed.shape[0] if index is None else index.numel()
     index = None if index is None else index.to(torch.int64).contiguous()
     out = torch.empty(count, packed.num_cols, dtype=torch.float32)
@@ -57,6 +60,7 @@ def linear_into(
 ) -> None:
     """out[:, :N] (+)= x W^T + bias, on the native kernel (decode steps take this directly)."""
     lib = load_quant()
+    packed = tile(packed)
     n, k = packed.shape
     lib.kvq_set_num_threads(torch.get_num_threads())
     lib.kvq_linear(
