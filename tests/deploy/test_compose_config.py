@@ -104,10 +104,14 @@ def test_default_model_comes_from_the_image_and_others_from_the_models_volume():
 def test_prometheus_scrapes_the_metrics_port_of_each_service():
     services = compose.load()["services"]
     config = yaml.safe_load((compose.ROOT / "docker/prometheus/prometheus.yml").read_text())
-    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    jobs = config["scrape_configs"]
+    targets = {t for job in jobs for sc in job.get("static_configs", ()) for t in sc["targets"]}
+    # the second group's services exist only under their profile: scraped through DNS discovery
+    targets |= {f"{n}:{sd['port']}" for job in jobs for sd in job.get("dns_sd_configs", ()) for n in sd["names"]}
     metrics_var = {"tokenizer": "KVGRID_HTTP_PORT", "scheduler": "KVGRID_SCHEDULER_METRICS_PORT"}
-    for name in compose.KVGRID_SERVICES:
-        port = compose.environment(services[name])[metrics_var.get(name, "KVGRID_WORKER_METRICS_PORT")]
+    for name in [*compose.KVGRID_SERVICES, "scheduler2", "worker2"]:
+        var = metrics_var.get(name.rstrip("2"), "KVGRID_WORKER_METRICS_PORT")
+        port = compose.environment(services[name])[var]
         assert f"{name}:{port}" in targets
     mounted = [v for v in services["prometheus"]["volumes"] if v.startswith("./docker/prometheus/prometheus.yml:")]
     assert mounted, "prometheus does not mount docker/prometheus/prometheus.yml"
