@@ -28,7 +28,6 @@ from collections.abc import Callable
 import grpc
 
 from kvgrid.v1 import scheduler_pb2, worker_pb2
-from services.common import kv_keys
 from services.common.config import Config
 from services.common.errors import ResourceExhausted, Unavailable
 from services.common.metrics import SchedulerMetrics
@@ -38,7 +37,7 @@ from services.scheduler.convert import plan_to_proto, sampled_from_proto
 from services.scheduler.frontends import FrontendRequest, FrontendStream
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_events import KvEventLog
-from services.scheduler.kv_tiers import HostIndex, KvTiers, RedisIndex
+from services.scheduler.kv_tiers import build_tiers
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerLimits, SchedulerOutput, WorkerProtocolError
 from services.scheduler.streams import RequestStream
@@ -81,24 +80,6 @@ def build_scheduler(
     )
     tiers = build_tiers(info, config, metrics)
     return Scheduler(limits, kv, info.eos_token_ids, tiers), admission
-
-
-def build_tiers(info: worker_pb2.HandshakeResponse, config: Config, metrics=None) -> KvTiers | None:
-    """The KV tiers both this scheduler (--kv-tiers) and the worker (its handshake) use; None when there are none."""
-    names = [name for name in config.cache.kv_tier_names if name in info.kv_tiers]
-    for name in set(config.cache.kv_tier_names) - set(names):
-        log.warning("--kv-tiers %s: the worker does not serve that tier; it stays off", name)
-    host = HostIndex(info.num_host_blocks) if "host" in names and info.num_host_blocks else None
-    redis_index = None
-    if "redis" in names:
-        import redis
-
-        client = redis.Redis.from_url(config.cache.kv_redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
-        redis_index = RedisIndex(client)
-    if host is None and redis_index is None:
-        return None
-    ns = kv_keys.namespace(info.model, info.dtype, info.block_size, info.bytes_per_block)
-    return KvTiers(info.block_size, info.bytes_per_block, ns, host, redis_index, metrics=metrics)
 
 
 class Engine:
@@ -245,7 +226,7 @@ class Engine:
         stats.worker_ready = True
         stats.num_cached_free_blocks = pool.num_cached_free_blocks
         if core.tiers is not None:
-            stats.kv_tiers.extend(tier_stats(core.tiers))
+            stats.kv_tiers.extend(core.tiers.stats())
         return stats
 
     async def _run(self) -> None:
@@ -424,21 +405,6 @@ class Engine:
                     m.queue_seconds.observe(now - request.arrival_time)
                     m.prefix_queries.inc(request.num_prompt_tokens)
                     m.prefix_hits.inc(new.num_computed_tokens - len(new.kv_loads) * self._core.kv.block_size)
-
-
-def tier_stats(tiers: KvTiers) -> list[scheduler_pb2.KvTierStats]:
-    return [
-        scheduler_pb2.KvTierStats(
-            tier=name,
-            lookup_tokens=c.lookup_tokens,
-            hit_tokens=c.hit_tokens,
-            saved_bytes=c.saved_bytes,
-            loaded_bytes=c.loaded_bytes,
-            failed_tokens=c.failed_tokens,
-            lookup_failures=c.lookup_failures,
-        )
-        for name, c in tiers.counters.items()
-    ]
 
 
 def _describe(e: BaseException) -> str:

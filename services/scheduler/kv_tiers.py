@@ -25,7 +25,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgrid.v1 import scheduler_pb2, worker_pb2
 from services.common import kv_keys
+from services.common.config import Config
 from services.scheduler.free_queue import KVCacheBlock
 from services.scheduler.prefix_hash import BlockHash
 from services.scheduler.request import Request
@@ -279,6 +281,21 @@ class KvTiers:
             request.tier_keys, self.namespace, request.all_token_ids, self.block_size, num_blocks
         )
 
+    def stats(self) -> list[scheduler_pb2.KvTierStats]:
+        """Each tier's counters, for GetStats."""
+        return [
+            scheduler_pb2.KvTierStats(
+                tier=name,
+                lookup_tokens=c.lookup_tokens,
+                hit_tokens=c.hit_tokens,
+                saved_bytes=c.saved_bytes,
+                loaded_bytes=c.loaded_bytes,
+                failed_tokens=c.failed_tokens,
+                lookup_failures=c.lookup_failures,
+            )
+            for name, c in self.counters.items()
+        ]
+
     def _count(self, tier: str, **amounts: int) -> None:
         counters = self.counters.get(tier)
         if counters is None:
@@ -287,3 +304,21 @@ class KvTiers:
             setattr(counters, name, getattr(counters, name) + amount)
             if self.metrics is not None and amount:
                 self.metrics.kv_tier(name).labels(model=self.metrics.model, tier=tier).inc(amount)
+
+
+def build_tiers(info: worker_pb2.HandshakeResponse, config: Config, metrics=None) -> KvTiers | None:
+    """The KV tiers both this scheduler (--kv-tiers) and the worker (its handshake) use; None when there are none."""
+    names = [name for name in config.cache.kv_tier_names if name in info.kv_tiers]
+    for name in set(config.cache.kv_tier_names) - set(names):
+        log.warning("--kv-tiers %s: the worker does not serve that tier; it stays off", name)
+    host = HostIndex(info.num_host_blocks) if "host" in names and info.num_host_blocks else None
+    redis_index = None
+    if "redis" in names:
+        import redis
+
+        client = redis.Redis.from_url(config.cache.kv_redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        redis_index = RedisIndex(client)
+    if host is None and redis_index is None:
+        return None
+    ns = kv_keys.namespace(info.model, info.dtype, info.block_size, info.bytes_per_block)
+    return KvTiers(info.block_size, info.bytes_per_block, ns, host, redis_index, metrics=metrics)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Protocol
 
 import grpc
 
@@ -31,6 +32,18 @@ from services.tokenizer.request_handle import RequestHandle
 from services.tokenizer.upstream import INITIAL_BACKOFF_S, MAX_BACKOFF_S, SchedulerLink
 
 log = logging.getLogger(__name__)
+
+
+class Engine(Protocol):
+    """What the request pipeline needs of its link to the schedulers: an ``EngineClient`` (one scheduler) or a
+    ``Router`` (every group of the deployment)."""
+
+    async def submit(
+        self, request_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams, trace_context: dict[str, str]
+    ) -> RequestHandle: ...
+
+    def abort(self, request_id: str) -> None: ...
+
 
 # How long a submit waits for the stream to (re)connect before failing with UNAVAILABLE.
 CONNECT_WAIT_S = 5.0

@@ -11,7 +11,7 @@ from services.common.errors import InvalidArgument, grpc_errors
 from services.common.metrics import TokenizerMetrics
 from services.common.tracing import context_from_metadata
 from services.tokenizer import validation as v
-from services.tokenizer.engine_client import EngineClient
+from services.tokenizer.engine_client import Engine
 from services.tokenizer.generation import generate
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.prompts import encode_chat, encode_text
@@ -24,7 +24,7 @@ def _messages(messages) -> list[dict[str, str]]:
 
 
 class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
-    def __init__(self, state: ModelState, engine: EngineClient, metrics: TokenizerMetrics):
+    def __init__(self, state: ModelState, engine: Engine, metrics: TokenizerMetrics):
         self._state = state
         self._engine = engine
         self._metrics = metrics
