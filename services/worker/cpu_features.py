@@ -41,6 +41,10 @@ class CpuFeatures:
         return bool({"avx512_vnni", "avx_vnni"} & self.flags)
 
     @property
+    def amx_int8(self) -> bool:
+        return "amx_int8" in self.flags
+
+    @property
     def amx_bf16(self) -> bool:
         return "amx_bf16" in self.flags
 
@@ -57,6 +61,9 @@ class CpuFeatures:
 
     def fast_path(self, dtype_name: str, quantization: str) -> str:
         """One line for the log: what the matmuls of this worker run on."""
+        if quantization == "int8" and (self.vnni or self.amx_int8):
+            unit = "VNNI" if self.vnni else "AMX-INT8"
+            return f"int8 weights through oneDNN's int8 GEMM on the {unit} units, activations quantized per row"
         if quantization != "none":
             dots = "AVX2 integer dot products" if self.avx2 else "portable scalar integer dot products (no AVX2)"
             return f"{quantization} weights through {dots}, activations in {dtype_name}"

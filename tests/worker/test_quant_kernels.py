@@ -11,7 +11,7 @@ import torch
 from services.common.default_model import default_model_path
 from services.worker.cpu_kernels.library import load_quant
 from services.worker.loader import iter_weights, read_config, resolve_source
-from services.worker.quant import formats
+from services.worker.quant import formats, matmul
 from services.worker.quant.gguf_weights import read_gguf, unpermute_rows
 from services.worker.quant.matmul import DEQUANTIZE_ROWS, dequantize_rows, linear_into, packed_linear
 
@@ -34,6 +34,12 @@ def pack(fmt: str, weight: torch.Tensor) -> formats.PackedWeight:
         return formats.quantize_int8(weight)
     raw = gguf.quants.quantize(weight.numpy(), GGML_TYPES[fmt])
     return formats.PackedWeight(fmt, torch.from_numpy(raw.copy()).view(weight.shape[0], -1), weight.shape[1])
+
+
+@pytest.fixture(autouse=True)
+def native_int8(monkeypatch):
+    """int8 products here take the native kernel (the int8 GEMM has its own tests, test_int8_gemm.py)."""
+    monkeypatch.setattr(matmul, "INT8_GEMM", False)
 
 
 @pytest.fixture(params=["avx2", "scalar"])

@@ -1,5 +1,6 @@
-"""Quantized weights in the model: int8 from a float checkpoint on a tiny Llama, decode steps on the
-native path equal to the torch path over the same packed weights, and close to the float model."""
+"""Quantized weights in the model: int8 from a float checkpoint on a tiny Llama (through the int8 GEMM
+and through the native kernel), decode steps on the native path equal to the torch path over the
+same packed weights, and close to the float model."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import torch
 
 from services.worker.engine import create_runner, load_model
 from services.worker.models.llama import Embedding, Linear
+from services.worker.quant import matmul
 from tests.worker.tiny import request, run_logits, save_tiny_model
 
 
+@pytest.mark.parametrize("int8_gemm", [True, False], ids=["int8-gemm", "native-kernel"])
 @pytest.mark.parametrize("num_requests", [2, 20])
-def test_int8_decode_steps(tmp_path, num_requests):
+def test_int8_decode_steps(tmp_path, monkeypatch, num_requests, int8_gemm):
+    monkeypatch.setattr(matmul, "INT8_GEMM", int8_gemm)
     path = save_tiny_model(str(tmp_path), "qwen2", tie_word_embeddings=False)
     quantized = load_model(path, dtype="float32", device="cpu", attention_backend="torch", quantization="int8")
     dense = load_model(path, dtype="float32", device="cpu", attention_backend="torch")

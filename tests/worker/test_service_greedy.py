@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvgrid.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.server import insecure_channel
 from services.worker.core import build_core
+from services.worker.quant import matmul
 from services.worker.server import start_worker
 from tests.worker.driver import Driver
 from tests.worker.smollm import hf_greedy, hf_reference, prompt_ids, worker_config
@@ -140,10 +141,14 @@ def teacher_forced_ranks(model, prompt: list[int], outputs: list[int]) -> list[i
     return (logits > chosen).sum(-1).tolist()
 
 
-@pytest.mark.parametrize("quantization", ["int8", "gguf"])
-def test_quantized_greedy_within_float32_top5(reference, quantization):
+@pytest.mark.parametrize(
+    "quantization,int8_gemm", [("int8", True), ("int8", False), ("gguf", False)], ids=["int8-gemm", "int8", "gguf"]
+)
+def test_quantized_greedy_within_float32_top5(reference, monkeypatch, quantization, int8_gemm):
     """Quantized weights: every greedy token is in float32 transformers' top 5 under teacher forcing,
-    and at least 90% are its top 1. Prefill chunks and decode steps both read the packed weights."""
+    and at least 90% are its top 1. Prefill chunks and decode steps both read the packed weights.
+    int8 runs both ways: oneDNN's int8 GEMM (per-row activation scales) and the native kernel."""
+    monkeypatch.setattr(matmul, "INT8_GEMM", int8_gemm)
     model, tokenizer = reference
     prompts = prompt_ids(tokenizer)
     config = worker_config("float32", load__quantization=quantization)

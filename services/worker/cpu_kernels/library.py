@@ -61,6 +61,10 @@ _QUANT_SIGNATURES = {
     "kvq_linear": ((c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int64, c_int64) + (c_int,) * 3),
     # w, scales, index, count, K, format, out
     "kvq_dequantize_rows": (c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int, c_void_p),
+    # x, M, K, dtype, q, scale
+    "kvq_quantize_rows_int8": (c_void_p, c_int, c_int64, c_int, c_void_p, c_void_p),
+    # acc, M, N, row_scale, col_scale, bias, y, ldy, dtype, accumulate
+    "kvq_scale_int32": (c_void_p, c_int, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int),
 }
 
 

@@ -308,3 +308,54 @@ void kvq_dequantize_rows(const void *w, const float *scales, const int64_t *inde
         free(q), free(d), free(m);
     }
 }
+
+/* ---- int8 GEMM's two ends (quant/matmul.py: int8 weights through torch._int_mm) ----------------- */
+
+/*
+ * Each row of x to int8 with one scale: scale[m] = max |x[m, :]| / 127, q = round(x * 127 / max),
+ * ties to even as torch.round. A row of zeros gets scale 0 and zeros.
+ */
+__attribute__((target_clones("avx2", "default"))) void kvq_quantize_rows_int8(const void *x, int M, int64_t K, int dt, int8_t *q, float *scale) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * K > 65536)
+    for (int m = 0; m < M; m++) {
+        float amax = 0.0f;
+        if (dt == F32) {
+            const float *row = (const float *)x + (int64_t)m * K;
+            for (int64_t k = 0; k < K; k++) amax = fabsf(row[k]) > amax ? fabsf(row[k]) : amax;
+        } else {
+            for (int64_t k = 0; k < K; k++) {
+                const float v = fabsf(load1(x, (int64_t)m * K + k, dt));
+                amax = v > amax ? v : amax;
+            }
+        }
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int8_t *out = q + (int64_t)m * K;
+        for (int64_t k = 0; k < K; k++) out[k] = (int8_t)nearbyintf(load1(x, (int64_t)m * K + k, dt) * inv);
+        scale[m] = amax / 127.0f;
+    }
+}
+
+/*
+ * y[m, n] (+)= acc[m, n] * row_scale[m] * col_scale[n] + bias[n]: the int32 sums of the int8 GEMM
+ * back to dtype dt, into rows of stride ldy; accumulate rounds the product to dt first, as put().
+ */
+__attribute__((target_clones("avx2", "default"))) void kvq_scale_int32(const int32_t *acc, int M, int64_t N, const float *row_scale, const float *col_scale,
+                     const void *bias, void *y, int64_t ldy, int dt, int accumulate) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * N > 65536)
+    for (int m = 0; m < M; m++) {
+        const int32_t *row = acc + (int64_t)m * N;
+        const float rs = row_scale[m];
+        if (dt == F32 && !bias && !accumulate) {
+            float *out = (float *)y + (int64_t)m * ldy;
+            for (int64_t n = 0; n < N; n++) out[n] = (float)row[n] * rs * col_scale[n];
+            continue;
+        }
+        for (int64_t n = 0; n < N; n++) {
+            const int64_t at = (int64_t)m * ldy + n;
+            float v = (float)row[n] * rs * col_scale[n];
+            if (bias) v += load1(bias, n, dt);
+            if (accumulate) v = load1(y, at, dt) + round_to(v, dt);
+            store1(y, at, v, dt);
+        }
+    }
+}

@@ -201,3 +201,21 @@ def reference_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor |
     if bias is not None:
         out = out + bias.double()
     return out.float()
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row to int8 with one scale: (q [M, K] int8, scale [M, 1]), x ~ scale q, scale = max |x| / 127."""
+    amax = x.abs().amax(dim=1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div_(amax), 0.0)  # a true division, as the kernel
+    return torch.round(x * inv).to(torch.int8), amax / 127.0
+
+
+def reference_int8_gemm(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None, int_mm=None):
+    """What the int8 GEMM path computes: x quantized per row, exact integer sums, times the row's and
+    the channel's scales. ``int_mm`` (q [M, K] int8, w [K, N] int8) -> int32 sums, default exact
+    in int64. [M, K] float32 -> [M, N] float32."""
+    q, scale = quantize_rows_int8(x.float())
+    weight = untile(packed).data.t()
+    sums = int_mm(q, weight) if int_mm is not None else q.long() @ weight.long()
+    out = sums.float() * scale * packed.scales
+    return out if bias is None else out + bias

@@ -1,7 +1,7 @@
 """Putting packed weights into a loaded model: GGUF blocks as read, or int8 made from float weights.
 
 A module with a packed weight (``Linear``, ``Embedding`` of ``models.llama``) keeps it in
-``module.packed`` (tiled for the native kernels, ``formats.tile``) and gives up its float weight
+``module.packed`` (in the layout its products read, ``matmul.kernel_layout``) and gives up its float weight
 (an empty tensor of the model dtype is left in its place, so dtype and device still read from it):
 the float copy is never held.
 """
@@ -13,7 +13,8 @@ import logging
 import torch
 from torch import nn
 
-from .formats import PackedWeight, concat_rows, dequantize, quantize_int8, tile
+from .formats import PackedWeight, concat_rows, dequantize, quantize_int8
+from .matmul import kernel_layout
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def packed_bytes(model: nn.Module) -> int:
 
 def _give_up_float_weight(module: nn.Module, packed: PackedWeight) -> None:
     weight = module.weight
-    module.packed = tile(packed)  # the layout the native kernels read
+    module.packed = kernel_layout(packed)  # the layout its products read
     module.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False)
 
 

@@ -1,0 +1,78 @@
+"""int8 weights through oneDNN's int8 GEMM (``torch._int_mm``): rows of x quantized to int8 with one
+scale each, exact integer sums, both scales after. The native ends of it (row quantization, the
+scaled int32 epilogue) equal the torch reference of the same arithmetic, on any CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.quant import formats, matmul
+from services.worker.quant.install import install_int8
+from services.worker.quant.matmul import int8_gemm_into, packed_embedding, packed_linear
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(params=["native", "torch"])
+def ends(request, monkeypatch):
+    """The native library's quantize and epilogue, then torch's (as without a C compiler)."""
+    monkeypatch.setattr(matmul, "INT8_GEMM", True)
+    if request.param == "torch":
+        monkeypatch.setattr(matmul, "_native", lambda: None)
+    return request.param
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 64, 64), (3, 37, 45), (64, 130, 160), (5, 9, 1537)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_equals_reference(ends, rows, n, k, dtype):
+    x = randn(rows, k, seed=1).to(dtype)
+    packed = formats.quantize_int8(randn(n, k, seed=2))
+    bias = randn(n, seed=3).to(dtype)
+    out = torch.full((rows, n), float("nan"), dtype=dtype)
+    int8_gemm_into(x, packed, bias, out)
+    expected = formats.reference_int8_gemm(x.float(), packed, bias.float())
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 8e-3}
+    torch.testing.assert_close(out, expected.to(dtype), **tolerance)
+    # and it stays close to the float product it stands for
+    exact = x.float() @ formats.dequantize(packed).T + bias.float()
+    assert (out.float() - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_accumulates_into_strided_rows(ends):
+    """y += x W^T into the first columns of wider rows: the residual add, rounded as torch rounds it."""
+    x, packed = randn(2, 64, seed=4), formats.quantize_int8(randn(16, 64, seed=5))
+    y = randn(2, 40, seed=6)
+    expected = y.clone()
+    expected[:, :16] += formats.reference_int8_gemm(x, packed)
+    int8_gemm_into(x, packed, None, y, accumulate=True)
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_zero_rows_give_zeros(ends):
+    x = randn(3, 96, seed=7)
+    x[1] = 0
+    out = packed_linear(x, formats.quantize_int8(randn(8, 96, seed=8)))
+    assert torch.equal(out[1], torch.zeros(8)) and out[0].abs().sum() > 0
+
+
+def test_many_rows_stay_on_the_int8_gemm(ends):
+    """Prefill chunks too: from DEQUANTIZE_ROWS rows int8 weights are not dequantized."""
+    x, packed = randn(matmul.DEQUANTIZE_ROWS + 5, 64, seed=9), formats.quantize_int8(randn(24, 64, seed=10))
+    torch.testing.assert_close(packed_linear(x, packed), formats.reference_int8_gemm(x, packed), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gemm", [True, False])
+def test_models_keep_the_layout_their_products_read(monkeypatch, gemm):
+    """With the int8 GEMM a model keeps its rows as stored; with the native kernel, tiled. Embedding
+    lookups read either."""
+    monkeypatch.setattr(matmul, "INT8_GEMM", gemm)
+    table = torch.nn.Embedding(50, 40)
+    table.weight.data = randn(50, 40, seed=11)
+    expected = formats.dequantize(formats.quantize_int8(table.weight))
+    install_int8(table, [table])
+    assert table.packed.tiled is not gemm and table.weight.numel() == 0
+    ids = torch.tensor([49, 0, 7, 7])
+    torch.testing.assert_close(packed_embedding(table.packed, ids, torch.float32), expected[ids])
