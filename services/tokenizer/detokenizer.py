@@ -22,8 +22,7 @@ PROMPT_CONTEXT_TOKENS = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()):
-        self._tokenizer = tokenizer
-        self._skip_special = skip_special_tokens
+        self._decode = tokenizer.decoder(skip_special_tokens)
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
         if context and self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []  # the prompt ends mid-character: its tail would misalign the output's text
@@ -34,15 +33,14 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._num_context = len(context)
 
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
-
     @property
     def output_ids(self) -> list[int]:
         return self._ids[self._num_context :]
 
     def push(self, token_ids: list[int]) -> str:
         """Append generated ids; returns the newly complete text (possibly '')."""
+        if not token_ids:
+            return ""  # the window is unchanged since the last call, which emitted what it could
         self._ids.extend(token_ids)
         return self._advance(final=False)
 

@@ -60,9 +60,11 @@ async def generate(
         tracked.begin(request_id, len(prompt_ids), trace_id_hex(span))
     try:
         finished = False
-        async for first in handle:
+        async for out in handle:
             # Responses that piled up while this call waited go out as one.
-            out = merge([first, *handle.ready()])
+            more = handle.ready()
+            if more:
+                out = merge([out, *more])
             if out is None:
                 continue
             if tracked is not None:

@@ -34,42 +34,48 @@ class OutputProcessor:
         self.request_id = request_id
         self._detokenizer = IncrementalDetokenizer(tokenizer, not sampling.include_special_tokens, prompt_ids)
         self._stops = StopStringMatcher(list(sampling.stop))
+        self._has_stops = self._stops.has_stops
+        # Set by the delta whose text completed a stop string (the request ends there; the caller aborts it).
+        self.stopped_by_string = False
         self._min_tokens = sampling.min_tokens
         self.num_prompt_tokens = len(prompt_ids)
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
         self.finish_reason = ""
 
-    @property
-    def finished(self) -> bool:
-        return bool(self.finish_reason)
-
-    @property
-    def stopped_by_string(self) -> bool:
-        return self._stops.stopped
-
     def process(self, delta: scheduler_pb2.RequestDelta) -> generate_pb2.GenerateResponse | None:
-        """The public delta for one scheduler message; None when there is nothing to send yet."""
-        if self.finished:
+        """The public delta for one scheduler message; None when there is nothing to send yet.
+
+        Runs once per delta of every request: the common case (no stop strings, no logprobs, not the last delta)
+        takes no detour."""
+        if self.finish_reason:
             return None
-        token_ids = list(delta.token_ids)
-        logprobs = list(delta.logprobs)
-        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
-        text, num_kept = self._push_tokens(token_ids)
-        # Tokens after the one that completed a stop string are not part of the output (text, ids, usage alike).
-        del token_ids[num_kept:], logprobs[num_kept:]
+        token_ids = delta.token_ids[:]  # a list (cheaper than list() of the repeated field)
+        if delta.num_cached_tokens > self.num_cached_tokens:
+            self.num_cached_tokens = delta.num_cached_tokens
+        if self._has_stops:
+            text, num_kept = self._push_stopped(token_ids)
+        else:
+            self.num_output_tokens += len(token_ids)
+            text, num_kept = self._detokenizer.push(token_ids), len(token_ids)
+        logprobs = delta.logprobs
+        if num_kept < len(token_ids):
+            # Tokens after the one that completed a stop string are not part of the output (text, ids, usage).
+            del token_ids[num_kept:]
+            logprobs = logprobs[:num_kept]
         finish = FINISH_REASONS.get(delta.finish_reason, "")
         if finish and not self._stops.stopped:
             text += self._stops.push(self._detokenizer.flush(), self._may_stop())
             text += self._stops.flush()
         if self._stops.stopped:
+            self.stopped_by_string = True
             finish = "stop"
         self.finish_reason = finish
         if not (token_ids or text or finish):
             return None
         out = generate_pb2.GenerateResponse(text=text, token_ids=token_ids, request_id=self.request_id)
-        for logprob in logprobs:
-            out.logprobs.append(self._named_logprob(logprob))
+        if logprobs:
+            out.logprobs.extend(self._named_logprob(logprob) for logprob in logprobs)
         if finish:
             out.finish_reason = finish
             out.usage.CopyFrom(self.usage())
@@ -79,12 +85,9 @@ class OutputProcessor:
         # Like EOS, a stop string cannot end the request before min_tokens tokens.
         return self.num_output_tokens > self._min_tokens
 
-    def _push_tokens(self, token_ids: list[int]) -> tuple[str, int]:
-        """The text safe to emit for ``token_ids`` and how many of them to keep: all of them, or those up to and
-        including the one that completed a stop string (a delta may carry several tokens)."""
-        if not self._stops.has_stops:
-            self.num_output_tokens += len(token_ids)
-            return self._detokenizer.push(token_ids), len(token_ids)
+    def _push_stopped(self, token_ids: list[int]) -> tuple[str, int]:
+        """With stop strings: the text safe to emit for ``token_ids`` and how many of them to keep, all of them or
+        those up to and including the one that completed a stop string (a delta may carry several tokens)."""
         text = ""
         for i, token_id in enumerate(token_ids):
             self.num_output_tokens += 1

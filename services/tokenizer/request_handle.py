@@ -26,6 +26,7 @@ class RequestHandle:
         self._client = client
         self._items: deque = deque()
         self._waiter: asyncio.Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # looked up once: on 3.11 each lookup is a getpid()
         self.transform: Callable[[Any], Any] | None = None
         # True once the scheduler no longer holds the request (it finished it, failed it, or we aborted it).
         self.done_upstream = False
@@ -58,7 +59,9 @@ class RequestHandle:
 
     async def __anext__(self):
         while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
+            if self._loop is None:
+                self._loop = asyncio.get_running_loop()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -74,6 +77,8 @@ class RequestHandle:
 
     def ready(self) -> list:
         """Items delivered and not read yet (taken now; an error stays queued for the next read)."""
+        if not self._items:
+            return []
         taken = []
         while self._items and not isinstance(self._items[0], BaseException) and self._items[0] is not _END:
             taken.append(self._items.popleft())

@@ -7,8 +7,10 @@ never imports transformers or torch, so the frontend stays a small CPU process.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Callable
 
 from tokenizers import AddedToken, Tokenizer, processors
 
@@ -89,6 +91,9 @@ class TextTokenizer:
         if extra_special_tokens:
             variables["additional_special_tokens"] = list(extra_special_tokens)
         self.chat_template = ChatTemplate(chat_template, variables) if chat_template else None
+        # A post-processor that adds no tokens (e.g. a template of "$A" alone) leaves the ids as they are but still
+        # costs as much as the rest of a short prompt's encode: skip it then.
+        self._post_adds_tokens = backend.num_special_tokens_to_add(False) > 0
 
     @classmethod
     def from_files(cls, files: dict[str, bytes]) -> TextTokenizer:
@@ -127,10 +132,14 @@ class TextTokenizer:
         return self._backend.to_str()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._backend.encode(text, add_special_tokens=add_special_tokens and self._post_adds_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def decoder(self, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+        """``decode`` with the flag bound, for per-token callers (no Python frame of its own)."""
+        return functools.partial(self._backend.decode, skip_special_tokens=skip_special_tokens)
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """The vocabulary entry of each id (e.g. 'Ġhello'), '' for ids outside the vocabulary."""

@@ -172,5 +172,6 @@ async def _run_ahead_kb(options: list, num_read: int = 3000, message_bytes: int 
 def test_the_scheduler_link_lets_the_scheduler_run_ahead_by_one_small_window():
     link = asyncio.run(_run_ahead_kb(CHANNEL_OPTIONS + LINK_OPTIONS))
     default = asyncio.run(_run_ahead_kb(CHANNEL_OPTIONS))
-    assert link <= 256, f"the scheduler could run {link} KB ahead of a stalled frontend"
+    # About two step messages of one-token deltas for 256 requests (the 64 KB window of before measured 80 KB).
+    assert link <= 48, f"the scheduler could run {link} KB ahead of a stalled frontend"
     assert default > 4 * link  # what the options prevent: megabytes of one-token steps queued
