@@ -304,6 +304,23 @@ AVX2_FNS __m256i bcast4(const int8_t *p) {
 AVX2_FNS __m256 halves8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
 /*
+ * A block's 8 integer sums into the tile's float accumulators: times the rows' scales d (from the
+ * record p) and x's d_x; q4_1's offsets m (q4_0's -8 d) times d_x * sum(q_x) accumulate apart.
+ */
+AVX2_FNS void scale_block(const int fmt, __m256i sums, const uint8_t *p, float xd, float xds, __m256 *acc,
+                          __m256 *offsets) {
+    const __m256 dx = _mm256_set1_ps(xd);
+    if (fmt == INT8) {
+        *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), dx, *acc);
+        return;
+    }
+    const __m256 d = halves8(p);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, dx), *acc);
+    if (fmt == Q4_1) *offsets = _mm256_fmadd_ps(halves8(p + 2 * TILE), _mm256_set1_ps(xds), *offsets);
+    if (fmt == Q4_0) *offsets = _mm256_fmadd_ps(d, _mm256_set1_ps(-8.0f * xds), *offsets);
+}
+
+/*
  * The tile's 8 rows . one x row, as 8 float lanes. fmt is a constant at each call site (see
  * tile_any), so every format gets its own loop.
  */
@@ -337,15 +354,7 @@ AVX2_FNS __m256 tile_dot(const int fmt, const uint8_t *tile, int64_t nb, const i
                 sums = _mm256_add_epi32(sums, _mm256_madd_epi16(p16, ones));
             }
         }
-        const __m256 dx = _mm256_set1_ps(xd[b]);
-        if (fmt == INT8) {
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), dx, acc);
-            continue;
-        }
-        const __m256 d = halves8(p);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, dx), acc);
-        if (fmt == Q4_1) offsets = _mm256_fmadd_ps(halves8(p + 2 * TILE), _mm256_set1_ps(xds[b]), offsets);
-        if (fmt == Q4_0) offsets = _mm256_fmadd_ps(d, _mm256_set1_ps(-8.0f * xds[b]), offsets);
+        scale_block(fmt, sums, p, xd[b], xds[b], &acc, &offsets);
     }
     return _mm256_add_ps(acc, offsets);
 }
@@ -398,15 +407,7 @@ VNNI_FNS __m256 tile_dot_vnni(const int fmt, const uint8_t *tile, int64_t nb, co
         }
         const __m512i s = _mm512_add_epi32(s0, s1);
         const __m256i sums = _mm256_add_epi32(_mm512_castsi512_si256(s), _mm512_extracti64x4_epi64(s, 1));
-        const __m256 dx = _mm256_set1_ps(xd[b]);
-        if (fmt == INT8) {
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), dx, acc);
-            continue;
-        }
-        const __m256 d = halves8(p);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, dx), acc);
-        if (fmt == Q4_1) offsets = _mm256_fmadd_ps(halves8(p + 2 * TILE), _mm256_set1_ps(xds[b]), offsets);
-        if (fmt == Q4_0) offsets = _mm256_fmadd_ps(d, _mm256_set1_ps(-8.0f * xds[b]), offsets);
+        scale_block(fmt, sums, p, xd[b], xds[b], &acc, &offsets);
     }
     return _mm256_add_ps(acc, offsets);
 }
