@@ -1,13 +1,16 @@
 """Quantized linears against float32, one matrix at a time, all sides measured in turns in one run.
 
     python -m benchmarks.quant_bench [--rows 1,8,32,128,512] [--threads 2] [--rounds 3]
+        [--paths avx512-vnni,avx2,scalar]
 
 For SmolLM2-135M's matrix shapes (gate/up 3072x576, down 576x1536, the 49152x576 logits) and
 each row count: the native quantized kernel (``quant_kernels.c``) on int8, q8_0 and q4_1 weights,
 the same weights dequantized per call then torch's float32 GEMM (what ``quant.matmul`` does from
 ``DEQUANTIZE_ROWS`` rows), and torch's float32 GEMM on float weights (the unquantized baseline).
-Prints microseconds per product (medians) and speed-ups over float32; JSON to
-``benchmarks/results/quant_bench.json``.
+``--paths`` measures the native kernel on each of its dot-product paths (default: the fastest this
+CPU has). Prints microseconds per product (medians) and speed-ups over float32; JSON to
+``benchmarks/results/quant_bench.json``. With ``--threads 1`` times are the thread's CPU time, so
+that other processes on a shared machine do not count.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from services.worker.cpu_kernels.library import QUANT_PATHS, select_quant_path
 from services.worker.quant import formats
 from services.worker.quant.matmul import dequantize_rows, linear_into
 
@@ -36,12 +40,12 @@ def ggml_pack(fmt: str, weight: torch.Tensor) -> formats.PackedWeight:
     return formats.PackedWeight(fmt, torch.from_numpy(raw.copy()).view(weight.shape[0], -1), weight.shape[1])
 
 
-def timed(fn, repeat: int) -> float:
+def timed(fn, repeat: int, clock=time.perf_counter) -> float:
     fn()
-    start = time.perf_counter()
+    start = clock()
     for _ in range(repeat):
         fn()
-    return (time.perf_counter() - start) / repeat * 1e6
+    return (clock() - start) / repeat * 1e6
 
 
 def main() -> None:
@@ -50,8 +54,12 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--paths", default=QUANT_PATHS[-1], help=f"native paths, of {','.join(QUANT_PATHS)}")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    paths = [p for p in args.paths.split(",") if select_quant_path(p) == p]  # those this CPU runs
+    select_quant_path(QUANT_PATHS[-1])
     samples: dict[tuple[str, int, str], list[float]] = {}
     rows_list = [int(r) for r in args.rows.split(",")]
     for name in args.shapes.split(","):
@@ -65,13 +73,16 @@ def main() -> None:
                 x = torch.randn(rows, k)
                 out = torch.empty(rows, n)
                 repeat = max(2, min(50, 2000 // rows))
-                sides = {"float32": lambda x=x, w=weight: F.linear(x, w)}
+                sides = {"float32": (None, lambda x=x, w=weight: F.linear(x, w))}
                 for fmt, p in packed.items():
-                    sides[fmt] = lambda p=p, x=x, out=out: linear_into(x, p, None, out)
+                    for path in paths:
+                        side = fmt if len(paths) == 1 else f"{fmt} {path}"
+                        sides[side] = (path, lambda p=p, x=x, out=out: linear_into(x, p, None, out))
                 q41 = packed["q4_1"]
-                sides["q4_1 dequantized+GEMM"] = lambda x=x, p=q41: F.linear(x, dequantize_rows(p))
-                for side, fn in sides.items():
-                    samples.setdefault((name, rows, side), []).append(timed(fn, repeat))
+                sides["q4_1 dequantized+GEMM"] = (None, lambda x=x, p=q41: F.linear(x, dequantize_rows(p)))
+                for side, (path, fn) in sides.items():
+                    select_quant_path(path or QUANT_PATHS[-1])
+                    samples.setdefault((name, rows, side), []).append(timed(fn, repeat, clock))
     results = []
     sides = list(dict.fromkeys(side for _, _, side in samples))
     print(f"\nmicroseconds per product, median of {args.rounds} rounds, {args.threads} threads (speed-up vs float32)\n")
@@ -86,7 +97,10 @@ def main() -> None:
             results.append({"matrix": name, "shape": SHAPES[name], "rows": rows, "us": med})
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
-        json.dump({"benchmark": "quant_linear", "threads": args.threads, "rounds": args.rounds, "results": results}, f)
+        json.dump(
+            {"benchmark": "quant_linear", "threads": args.threads, "rounds": args.rounds, "paths": paths,
+             "results": results}, f,
+        )  # fmt: skip
     print(f"\nwrote {RESULTS}")
 
 

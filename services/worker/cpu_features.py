@@ -3,7 +3,7 @@
 The fast path follows from it: with bfloat16 units (AVX512-BF16 or AMX) bfloat16 matmuls are the
 fast path and ``--dtype auto`` picks bfloat16; without them bfloat16 GEMMs are emulated, so
 ``auto`` computes in float32, and quantized weights (int8 or GGUF blocks) take the integer dot
-products of ``cpu_kernels/quant_kernels.c`` (AVX2, else its scalar loop).
+products of ``cpu_kernels/quant_kernels.c`` (AVX-512 VNNI, else AVX2, else its scalar loop).
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ class CpuFeatures:
         return "amx_int8" in self.flags
 
     @property
+    def avx512_vnni(self) -> bool:
+        """What quant_kernels.c's fastest path needs (it checks the same at run time)."""
+        return self.avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= self.flags
+
+    @property
     def amx_bf16(self) -> bool:
         return "amx_bf16" in self.flags
 
@@ -65,7 +70,12 @@ class CpuFeatures:
             unit = "VNNI" if self.vnni else "AMX-INT8"
             return f"int8 weights through oneDNN's int8 GEMM on the {unit} units, activations quantized per row"
         if quantization != "none":
-            dots = "AVX2 integer dot products" if self.avx2 else "portable scalar integer dot products (no AVX2)"
+            if self.avx512_vnni:
+                dots = "AVX-512 VNNI integer dot products"
+            elif self.avx2:
+                dots = "AVX2 integer dot products"
+            else:
+                dots = "portable scalar integer dot products (no AVX2)"
             return f"{quantization} weights through {dots}, activations in {dtype_name}"
         if dtype_name == "bfloat16" and self.bf16_units:
             unit = "AMX" if self.amx_bf16 else "AVX512-BF16"

@@ -1,5 +1,6 @@
 """Quantized weights: packed formats equal ggml's own, the native kernels equal a torch reference of
-the same arithmetic (AVX2 and the scalar fallback), and GGUF blocks load as transformers reads them."""
+the same arithmetic (AVX-512 VNNI, AVX2 and the scalar fallback, each forced), and GGUF blocks load as
+transformers reads them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from services.common.default_model import default_model_path
-from services.worker.cpu_kernels.library import load_quant
+from services.worker.cpu_kernels.library import QUANT_PATHS, select_quant_path
 from services.worker.loader import iter_weights, read_config, resolve_source
 from services.worker.quant import formats, matmul
 from services.worker.quant.gguf_weights import read_gguf, unpermute_rows
@@ -42,15 +43,13 @@ def native_int8(monkeypatch):
     monkeypatch.setattr(matmul, "INT8_GEMM", False)
 
 
-@pytest.fixture(params=["avx2", "scalar"])
+@pytest.fixture(params=QUANT_PATHS)
 def lib(request):
-    """The library with its AVX2 dot product, then forced onto the portable scalar one."""
-    lib = load_quant()
-    active = lib.kvq_use_avx2(int(request.param == "avx2"))
-    if request.param == "avx2" and not active:
-        pytest.skip("this CPU has no AVX2")
-    yield lib
-    lib.kvq_use_avx2(1)
+    """The library forced onto each of its dot products in turn (VNNI, AVX2, the portable scalar one)."""
+    if select_quant_path(request.param) != request.param:
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    yield request.param
+    select_quant_path(QUANT_PATHS[-1])
 
 
 @pytest.mark.parametrize("fmt", sorted(GGML_TYPES))
@@ -103,12 +102,41 @@ def test_linear_equals_reference(lib, fmt, rows, n, k, dtype):
 
 
 @pytest.mark.parametrize("k", [45, 33, 31])
-def test_int8_widths_off_the_block(lib, k):
+@pytest.mark.parametrize("rows", [1, 4])
+def test_int8_widths_off_the_block(lib, k, rows):
     """int8 rows need not fill whole 32-value blocks: the last block is zero-padded on both sides."""
-    x, packed = randn(4, k, seed=5), pack("int8", randn(7, k, seed=6))
-    out = torch.empty(4, 7)
+    x, packed = randn(rows, k, seed=5), pack("int8", randn(7, k, seed=6))
+    out = torch.empty(rows, 7)
     linear_into(x, packed, None, out)
     torch.testing.assert_close(out, formats.reference_linear(x, packed), **TOLERANCE)
+    out16 = torch.empty(rows, 7, dtype=torch.bfloat16)
+    linear_into(x.bfloat16(), packed, None, out16)
+    expected = formats.reference_linear(x.bfloat16().float(), packed).bfloat16()
+    torch.testing.assert_close(out16, expected, atol=1e-2, rtol=8e-3)
+
+
+def test_path_selection():
+    """Each path can be forced; asking for one this CPU lacks gives the fastest below it."""
+    assert select_quant_path("scalar") == "scalar"
+    best = select_quant_path(QUANT_PATHS[-1])
+    assert QUANT_PATHS.index(select_quant_path("avx2")) <= QUANT_PATHS.index(best)
+    assert select_quant_path(best) == best
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
+def test_extreme_values(lib, fmt):
+    """Full-range weights and activations (int8 +-127 both sides: VNNI's x + 128 reaches 255), zero
+    blocks, and one huge value per row (the rest of its block quantizes to small integers)."""
+    k = 96
+    weight = torch.where(randn(24, k, seed=14) > 0, 1.0, -1.0) * torch.linspace(0.0, 2.0, k)
+    weight[3] = 0.0
+    x = torch.where(randn(3, k, seed=15) > 0, 1.0, -1.0)
+    x[1, 32:64] = 0.0
+    x[2, 5] = 1e4
+    packed = pack(fmt, weight)
+    out = torch.empty(3, 24)
+    linear_into(x, packed, None, out)
+    torch.testing.assert_close(out, formats.reference_linear(x, packed), atol=1e-4, rtol=1e-5)
 
 
 def test_accumulates_into_strided_rows(lib):

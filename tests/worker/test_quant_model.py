@@ -17,6 +17,26 @@ from tests.worker.tiny import request, run_logits, save_tiny_model
 @pytest.mark.parametrize("num_requests", [2, 20])
 def test_int8_decode_steps(tmp_path, monkeypatch, num_requests, int8_gemm):
     monkeypatch.setattr(matmul, "INT8_GEMM", int8_gemm)
+    for ours, torch_path, float_logits in decode_steps(tmp_path, num_requests):
+        # Same packed weights and kernels; norms summed in another order can move an activation
+        # across a rounding boundary of its int8 block, hence the quantization-sized tolerance.
+        torch.testing.assert_close(ours, torch_path, atol=2e-3, rtol=0)
+        assert (ours - float_logits).abs().max() < 0.02 * float_logits.abs().max() + 1e-3
+
+
+def test_int8_batch_one_takes_prepared_calls(tmp_path, monkeypatch):
+    """Batch 1 calls the kernel with arguments prepared once per weight (CpuDecodePath.packed_gemv):
+    the same logits as the torch path over the same packed weights."""
+    monkeypatch.setattr(matmul, "INT8_GEMM", False)  # the prepared calls read the tiled layout
+    calls = {}
+    for ours, torch_path, _ in decode_steps(tmp_path, 1, calls):
+        torch.testing.assert_close(ours, torch_path, atol=2e-3, rtol=0)
+    assert len(calls) == 2 * 4 + 1  # per layer qkv, o, gate_up, down; the logits
+
+
+def decode_steps(tmp_path, num_requests: int, prepared: dict | None = None) -> list[tuple[torch.Tensor, ...]]:
+    """Four decode steps of a tiny int8 model: (native logits, torch path's, the float model's) per step.
+    ``prepared`` receives the native path's prepared calls."""
     path = save_tiny_model(str(tmp_path), "qwen2", tie_word_embeddings=False)
     quantized = load_model(path, dtype="float32", device="cpu", attention_backend="torch", quantization="int8")
     dense = load_model(path, dtype="float32", device="cpu", attention_backend="torch")
@@ -36,6 +56,7 @@ def test_int8_decode_steps(tmp_path, monkeypatch, num_requests, int8_gemm):
     ]
     for runner, requests in zip(runners, per_runner, strict=True):
         run_logits(runner, requests)  # prefill: packed weights through the torch path
+    steps = []
     for _step in range(4):
         token = torch.randint(0, 160, (num_requests,), generator=g).tolist()
         logits = []
@@ -53,8 +74,7 @@ def test_int8_decode_steps(tmp_path, monkeypatch, num_requests, int8_gemm):
             for r in requests:
                 r.num_computed_tokens += 1
                 r.num_scheduled_tokens = 0
-        ours, float_logits = logits
-        # Same packed weights and kernels; norms summed in another order can move an activation
-        # across a rounding boundary of its int8 block, hence the quantization-sized tolerance.
-        torch.testing.assert_close(ours, torch_path, atol=2e-3, rtol=0)
-        assert (ours - float_logits).abs().max() < 0.02 * float_logits.abs().max() + 1e-3
+        steps.append((logits[0], torch_path, logits[1]))
+    if prepared is not None:
+        prepared.update(native._packed_calls)
+    return steps

@@ -4,7 +4,8 @@ Two shared libraries, each from its C file (plus the shared ``scalar.h``):
 - ``decode_kernels.c``: the float32/bfloat16 decode-step kernels, compiled for AVX2 and FMA;
   ``load`` raises ``NativeKernelsUnavailable`` on CPUs without them.
 - ``quant_kernels.c``: the quantized linear (``--quantization``), compiled for any x86-64 or
-  other CPU, with an AVX2 inner loop chosen at run time; ``load_quant``.
+  other CPU, with AVX-512 VNNI and AVX2 inner loops chosen at run time (per-function target
+  attributes); ``load_quant``, ``QUANT_PATHS``.
 
 A library lands in ``$KVGRID_CACHE_DIR/native`` (default ``~/.cache/kvgrid/native``), named by a
 hash of its sources and flags; later starts load it without compiling. Building needs a C
@@ -35,6 +36,8 @@ SOURCE = HERE / "decode_kernels.c"
 COMMON = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC")
 FLAGS = (*COMMON, "-mavx2", "-mfma")
 DTYPE_CODES = {"float32": 0, "bfloat16": 1}  # see scalar.h
+# The quantized linear's dot products, slowest first (kvq_select_path's codes, see quant_kernels.c).
+QUANT_PATHS = ("scalar", "avx2", "avx512-vnni")
 
 _SIGNATURES = {
     "kvg_set_num_threads": (c_int,),
@@ -145,8 +148,14 @@ def load() -> ctypes.CDLL:
 
 @functools.cache
 def load_quant() -> ctypes.CDLL:
-    """The quantized linear, AVX2 where the CPU has it; raises NativeKernelsUnavailable."""
+    """The quantized linear on the fastest path this CPU has; raises NativeKernelsUnavailable."""
     lib = _open(QUANT)
-    lib.kvq_use_avx2.argtypes, lib.kvq_use_avx2.restype = (c_int,), c_int
-    lib.kvq_use_avx2(1)
+    lib.kvq_select_path.argtypes, lib.kvq_select_path.restype = (c_int,), c_int
+    lib.kvq_select_path(len(QUANT_PATHS) - 1)
     return lib
+
+
+def select_quant_path(name: str) -> str:
+    """Use the quantized linear's ``name`` path (of QUANT_PATHS), or the fastest below it this CPU
+    has (tests force each one); returns the path now in use."""
+    return QUANT_PATHS[load_quant().kvq_select_path(QUANT_PATHS.index(name))]
