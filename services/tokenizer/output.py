@@ -43,6 +43,10 @@ class OutputProcessor:
         self.num_output_tokens = 0
         self.finish_reason = ""
 
+    @property
+    def finished(self) -> bool:
+        return bool(self.finish_reason)
+
     def process(self, delta: scheduler_pb2.RequestDelta) -> generate_pb2.GenerateResponse | None:
         """The public delta for one scheduler message; None when there is nothing to send yet.
 
