@@ -191,38 +191,62 @@ void kvg_rope_write_kv(void *qkv, int64_t ldq, const void *cos, const void *sin,
 #define CHUNK 128  /* tokens per task: long contexts split across threads (split-KV), merged after */
 #define MAX_GROUP 16  /* query heads per KV head handled with stack buffers */
 
-/* x . y[0:D] with y of dtype dt. */
-INLINE float dot_mixed(const float *x, const void *y, int64_t offset, int D, int dt) {
-    __m256 acc = _mm256_setzero_ps();
-    int j = 0;
-    for (; j + 8 <= D; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + j), load8(y, offset + j, dt), acc);
-    float s = hsum8(acc);
-    for (; j < D; j++) s += x[j] * load1(y, offset + j, dt);
-    return s;
+/*
+ * hsum8 of eight vectors at once: lane i of the result is hsum8(v[i]), added in the same order
+ * (halves, then lanes 0+2 and 1+3, then those two), so the sums are bitwise the same. A 4x4
+ * transpose per 128-bit half takes the place of eight separate shuffle chains.
+ */
+INLINE __m256 hsum8x8(const __m256 v[8]) {
+    __m256 w[4];
+    for (int i = 0; i < 4; i++)
+        w[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[i], v[i + 4], 0x20),
+                             _mm256_permute2f128_ps(v[i], v[i + 4], 0x31));
+    const __m256 t0 = _mm256_unpacklo_ps(w[0], w[1]), t1 = _mm256_unpackhi_ps(w[0], w[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(w[2], w[3]), t3 = _mm256_unpackhi_ps(w[2], w[3]);
+    const __m256 c0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m256 c1 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+    const __m256 c2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m256 c3 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+    return _mm256_add_ps(_mm256_add_ps(c0, c2), _mm256_add_ps(c1, c3));
 }
 
-/* acc[0:D] += p * y[0:D] with y of dtype dt. */
-INLINE void axpy_mixed(float *acc, float p, const void *y, int64_t offset, int D, int dt) {
-    const __m256 pv = _mm256_set1_ps(p);
-    int j = 0;
-    for (; j + 8 <= D; j += 8)
-        _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(pv, load8(y, offset + j, dt), _mm256_loadu_ps(acc + j)));
-    for (; j < D; j++) acc[j] += p * load1(y, offset + j, dt);
-}
+#define SPAN 8 /* tokens whose keys and values are taken together */
 
 /*
  * Tokens [t0, t1) of one sequence for the G query heads of KV head kvh: writes, per head g,
  * part[g] = (max score, sum of exp(score - max), sum of exp(score - max) * v[0:D]).
+ * Tokens go SPAN at a time: a query chunk is loaded once for SPAN keys and their SPAN dot
+ * products reduced together (hsum8x8), and each output chunk stays in a register while SPAN values
+ * are added into it. Every sum is taken in the order of one token and one head at a time.
  */
 INLINE void attention_chunk(const float *qf, const void *k_cache, const void *v_cache, const int32_t *table,
                             int t0, int t1, int kvh, int KV, int G, int D, int block_size, float scale, float *part,
                             int dt) {
     float scores[CHUNK * MAX_GROUP];
-    const int n = t1 - t0;
-    for (int t = t0; t < t1; t++) {
-        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-        const int64_t row = (slot * KV + kvh) * D;
-        for (int g = 0; g < G; g++) scores[g * CHUNK + (t - t0)] = dot_mixed(qf + g * D, k_cache, row, D, dt) * scale;
+    const int n = t1 - t0, d8 = D / 8 * 8;
+    int64_t rows[SPAN];
+    for (int t = t0; t < t1; t += SPAN) {
+        const int span = t1 - t < SPAN ? t1 - t : SPAN;
+        for (int i = 0; i < SPAN; i++) {  /* past the span: repeat its first row (computed, not kept) */
+            const int u = t + (i < span ? i : 0);
+            rows[i] = (((int64_t)table[u / block_size] * block_size + u % block_size) * KV + kvh) * D;
+        }
+        for (int g = 0; g < G; g++) {
+            const float *qg = qf + (int64_t)g * D;
+            __m256 acc[SPAN];
+            for (int i = 0; i < SPAN; i++) acc[i] = _mm256_setzero_ps();
+            for (int j = 0; j < d8; j += 8) {
+                const __m256 qv = _mm256_loadu_ps(qg + j);
+                for (int i = 0; i < SPAN; i++) acc[i] = _mm256_fmadd_ps(qv, load8(k_cache, rows[i] + j, dt), acc[i]);
+            }
+            float sums[SPAN];
+            _mm256_storeu_ps(sums, hsum8x8(acc));
+            for (int i = 0; i < span; i++) {
+                float s = sums[i];
+                for (int j = d8; j < D; j++) s += qg[j] * load1(k_cache, rows[i] + j, dt);
+                scores[g * CHUNK + (t - t0) + i] = s * scale;
+            }
+        }
     }
     for (int g = 0; g < G; g++) {
         float *s = scores + g * CHUNK, top = -INFINITY, sum = 0.0f;
@@ -232,10 +256,22 @@ INLINE void attention_chunk(const float *qf, const void *k_cache, const void *v_
         out[0] = top, out[1] = sum;
         memset(out + 2, 0, sizeof(float) * D);
     }
-    for (int t = t0; t < t1; t++) {
-        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
-        const int64_t row = (slot * KV + kvh) * D;
-        for (int g = 0; g < G; g++) axpy_mixed(part + (int64_t)g * (D + 2) + 2, scores[g * CHUNK + (t - t0)], v_cache, row, D, dt);
+    for (int t = t0; t < t1; t += SPAN) {
+        const int span = t1 - t < SPAN ? t1 - t : SPAN;
+        for (int i = 0; i < span; i++)
+            rows[i] = (((int64_t)table[(t + i) / block_size] * block_size + (t + i) % block_size) * KV + kvh) * D;
+        for (int g = 0; g < G; g++) {
+            float *out = part + (int64_t)g * (D + 2) + 2;
+            const float *p = scores + g * CHUNK + (t - t0);
+            for (int j = 0; j < d8; j += 8) {
+                __m256 o = _mm256_loadu_ps(out + j);
+                for (int i = 0; i < span; i++)
+                    o = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), load8(v_cache, rows[i] + j, dt), o);
+                _mm256_storeu_ps(out + j, o);
+            }
+            for (int j = d8; j < D; j++)
+                for (int i = 0; i < span; i++) out[j] += p[i] * load1(v_cache, rows[i] + j, dt);
+        }
     }
 }
 
