@@ -61,6 +61,9 @@ def test_dequantize_equals_ggml(fmt):
     assert torch.equal(dequantize_rows(packed), expected)
     index = torch.tensor([36, 0, 5, 5])
     assert torch.equal(dequantize_rows(packed, index), expected[index])
+    tiled = formats.tile(packed)  # the native kernel's rows, as models hold them
+    assert torch.equal(dequantize_rows(tiled), expected)
+    assert torch.equal(dequantize_rows(tiled, index), expected[index])
 
 
 @pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])

@@ -21,6 +21,7 @@ they take either layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -210,7 +211,9 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x * inv).to(torch.int8), amax / 127.0
 
 
-def reference_int8_gemm(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None, int_mm=None):
+def reference_int8_gemm(
+    x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None, int_mm: Callable | None = None
+) -> torch.Tensor:
     """What the int8 GEMM path computes: x quantized per row, exact integer sums, times the row's and
     the channel's scales. ``int_mm`` (q [M, K] int8, w [K, N] int8) -> int32 sums, default exact
     in int64. [M, K] float32 -> [M, N] float32."""

@@ -46,7 +46,7 @@ INT8_GEMM = int8_gemm_is_fast()
 
 def kernel_layout(packed: PackedWeight) -> PackedWeight:
     """The layout a model keeps for its products: as stored for the int8 GEMM, tiled for the native kernel."""
-    return packed if packed.format == "int8" and INT8_GEMM else tile(packed)
+    return packed if _takes_int8_gemm(packed) else tile(packed)
 
 
 def _takes_int8_gemm(packed: PackedWeight) -> bool:
@@ -62,9 +62,8 @@ def int8_gemm_into(
 ) -> None:
     """out[:, :N] (+)= x W^T + bias for int8 W: x quantized per row (scale max |x| / 127), int32
     sums from oneDNN's int8 GEMM, then both scales (``formats.reference_int8_gemm``)."""
-    weight = untile(packed).data.t()  # [K, N], a view of the rows as stored
     lib = _native()
-    if lib is None:
+    if lib is None or x.dtype not in (torch.float32, torch.bfloat16):  # the C ends take these two
         product = reference_int8_gemm(x.float(), packed, None if bias is None else bias.float(), torch._int_mm)
         target = out[:, : product.shape[1]]
         target.add_(product.to(out.dtype)) if accumulate else target.copy_(product)
@@ -75,7 +74,7 @@ def int8_gemm_into(
     row_scale = torch.empty(m, dtype=torch.float32)
     lib.kvq_set_num_threads(torch.get_num_threads())
     lib.kvq_quantize_rows_int8(x.data_ptr(), m, k, dtype, q.data_ptr(), row_scale.data_ptr())
-    sums = torch._int_mm(q, weight)
+    sums = torch._int_mm(q, untile(packed).data.t())  # weight [K, N]: a view of the rows as stored
     lib.kvq_scale_int32(
         sums.data_ptr(), m, sums.shape[1], row_scale.data_ptr(), packed.scales.data_ptr(), _ptr(bias), out.data_ptr(),
         out.stride(0), dtype, int(accumulate),
@@ -96,9 +95,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def dequantize_rows(packed: PackedWeight, index: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 rows ``index`` (all when None) of the packed matrix: [len(index), K]."""
     lib = _native()
-    if lib is None or not packed.tiled:
+    if lib is None or not packed.tiled:  # (the native kernel reads the tiled layout)
         return dequantize(packed if index is None else packed.rows(index))
-    packed = tile(packed)
     count = packed.shape[0] if index is None else index.numel()
     index = None if index is None else index.to(torch.int64).contiguous()
     out = torch.empty(count, packed.num_cols, dtype=torch.float32)
