@@ -97,24 +97,33 @@ def test_rope_and_cache_write(lib, dtype):
     assert not flat_k[untouched].any() and not flat_v[untouched].any()
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 1, 16), (4, 4, 40)])
-def test_decode_attention_equals_torch_backend(lib, dtype, heads, kv_heads, head_dim):
-    """Sequences shorter than one 128-token chunk of the kernel and one split over three, in one batch."""
-    dt, code = dtype
-    block_size, num_blocks = 4, 128
-    seq_lens = [1, 5, 300, 16, 33]
+def test_exp_within_two_ulp(lib):
+    """The softmax's vectorized exp, over the range its arguments take (score - max <= 0) and a little
+    past zero, against float64; a tail shorter than a vector goes through the same arithmetic."""
+    x = torch.cat([torch.linspace(-87.0, 1.0, 100_003), torch.tensor([0.0, -1e-8, -0.5, -20.0, -86.9])])
+    y = torch.empty_like(x)
+    lib.kvg_exp(x.data_ptr(), y.data_ptr(), x.numel())
+    exact = torch.exp(x.double())
+    ulp = (exact.float().nextafter(torch.tensor(float("inf"))) - exact.float()).double()
+    assert ((y.double() - exact).abs() / ulp).max() <= 2.0
+    assert y[-5] == 1.0
+
+
+def decode_attention_case(lib, dt, code, seq_lens, heads, kv_heads, head_dim, query_scale=1.0, block_size=4):
+    """The kernel's output and the torch backend's for one query token per sequence over scattered blocks."""
     g = torch.Generator().manual_seed(11)
+    width = -(-max(seq_lens) // block_size)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dt)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dt)
     perm = torch.randperm(num_blocks, generator=g)
-    width = -(-max(seq_lens) // block_size)
     tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
     used = 0
     for i, n in enumerate(seq_lens):  # scattered blocks, padded rows
         count = -(-n // block_size)
         tables[i, :count] = perm[used : used + count].int()
         used += count
-    query = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dt)
+    query = (torch.randn(len(seq_lens), heads, head_dim, generator=g) * query_scale).to(dt)
     meta = AttentionMetadata(
         query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
@@ -133,6 +142,28 @@ def test_decode_attention_equals_torch_backend(lib, dtype, heads, kv_heads, head
         meta.seq_lens.data_ptr(), out.data_ptr(), heads * head_dim, len(seq_lens), heads, kv_heads, head_dim,
         block_size, scale, code,
     )  # fmt: skip
+    return out, expected
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 1, 16), (4, 4, 40), (40, 2, 36)])
+def test_decode_attention_equals_torch_backend(lib, dtype, heads, kv_heads, head_dim):
+    """Sequences shorter than one 128-token chunk of the kernel and one split over three, in one batch;
+    a head size that is no multiple of 8 and 20 query heads per KV head."""
+    dt, code = dtype
+    out, expected = decode_attention_case(lib, dt, code, [1, 5, 300, 16, 33], heads, kv_heads, head_dim)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dt])
+
+
+@pytest.mark.parametrize("seq_lens", [[37], [1000], [200, 3], [9, 130, 1, 64]])
+def test_decode_attention_splits_short_batches_across_threads(lib, dtype, seq_lens):
+    """With more threads than a few sequences' 128-token chunks, contexts split into chunks of 32 and up;
+    scores spread wide (a sharp softmax) take the vectorized exp far from zero."""
+    dt, code = dtype
+    lib.kvg_set_num_threads(4)
+    try:
+        out, expected = decode_attention_case(lib, dt, code, seq_lens, 9, 3, 64, query_scale=6.0, block_size=16)
+    finally:
+        lib.kvg_set_num_threads(1)
     torch.testing.assert_close(out, expected, **TOLERANCE[dt])
 
 

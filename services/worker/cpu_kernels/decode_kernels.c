@@ -188,8 +188,8 @@ void kvg_rope_write_kv(void *qkv, int64_t ldq, const void *cos, const void *sin,
 
 /* ---- attention ------------------------------------------------------------------------------- */
 
-#define CHUNK 128  /* tokens per task: long contexts split across threads (split-KV), merged after */
-#define MAX_GROUP 16  /* query heads per KV head handled with stack buffers */
+#define CHUNK 128     /* most tokens per task: long contexts split across threads (split-KV), merged after */
+#define MIN_CHUNK 32  /* fewest tokens per task when short contexts split further to give every thread work */
 
 /*
  * hsum8 of eight vectors at once: lane i of the result is hsum8(v[i]), added in the same order
@@ -210,67 +210,150 @@ INLINE __m256 hsum8x8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_add_ps(c0, c2), _mm256_add_ps(c1, c3));
 }
 
+/*
+ * exp of eight floats, within 2 ulp of expf for the softmax's x <= 0 (x is clamped to [-87.3, 88.3]:
+ * below, the result is ~1e-38 rather than 0, which no sum of probabilities can tell apart).
+ * x = n ln2 + r with |r| <= ln2/2 (ln2 split in two constants, so n ln2 is exact), exp(r) from a
+ * degree-7 polynomial whose terms are the Taylor coefficients 1/k! tuned for the interval, times 2^n
+ * built in the exponent bits. One call replaces eight calls of libm's expf.
+ */
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+INLINE float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* exp8 for one float (tails): the same arithmetic, so a score's weight does not depend on its lane. */
+INLINE float exp1(float x) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(x))); }
+
+/* exp8 over n floats, so that the tests can check it against a float64 exp. */
+void kvg_exp(const float *x, float *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, exp8(_mm256_loadu_ps(x + i)));
+    for (; i < n; i++) y[i] = exp1(x[i]);
+}
+
 #define SPAN 8 /* tokens whose keys and values are taken together */
+#define AHEAD 1 /* spans prefetched ahead: 1.25x over the hardware prefetchers alone, more gained nothing */
 
 /*
- * Tokens [t0, t1) of one sequence for the G query heads of KV head kvh: writes, per head g,
- * part[g] = (max score, sum of exp(score - max), sum of exp(score - max) * v[0:D]).
- * Tokens go SPAN at a time: a query chunk is loaded once for SPAN keys and their SPAN dot
- * products reduced together (hsum8x8), and each output chunk stays in a register while SPAN values
- * are added into it. Every sum is taken in the order of one token and one head at a time.
+ * The cache rows (in elements, rows of `row`) of tokens t .. t + SPAN - 1 of one sequence; tokens from
+ * t1 on get token t's row. One division per span: a division per token cost as much as the span's math.
+ */
+INLINE void span_rows(const int32_t *table, int t, int t1, int block_size, int64_t row, int64_t rows[SPAN]) {
+    int block = t / block_size, offset = t % block_size;
+    for (int i = 0; i < SPAN; i++) {
+        rows[i] = t + i < t1 ? ((int64_t)table[block] * block_size + offset) * row : rows[0];
+        if (++offset == block_size) offset = 0, block++;
+    }
+}
+
+/* Asks for the cache rows of tokens [t, min(t + SPAN, t1)) of one sequence (every KV head) in L1. */
+INLINE void prefetch_span(const void *cache, const int32_t *table, int t, int t1, int block_size, int64_t row,
+                          int es) {
+    if (t >= t1) return;
+    int64_t rows[SPAN];
+    span_rows(table, t, t1, block_size, row, rows);
+    const int span = t1 - t < SPAN ? t1 - t : SPAN;
+    for (int i = 0; i < span; i++)
+        for (int64_t b = 0; b < row * es; b += 64) _mm_prefetch((const char *)cache + rows[i] * es + b, _MM_HINT_T0);
+}
+
+/*
+ * Tokens [t0, t1) of one sequence for all H query heads: writes, per head h,
+ * part[h] = (max score, sum of exp(score - max), sum of exp(score - max) * v[0:D]).
+ * The cache holds a token's keys for all KV heads in one row of KV * D, so a task reads whole
+ * rows, block after block, in address order (one task per KV head read a third of every row and
+ * left the hardware prefetchers short streams). Tokens go SPAN at a time: a query chunk is loaded
+ * once for SPAN keys and their SPAN dot products reduced together (hsum8x8); the G heads of a KV
+ * head follow one another, so its keys are read from L1 after the first. scores: H * CHUNK floats.
  */
 INLINE void attention_chunk(const float *qf, const void *k_cache, const void *v_cache, const int32_t *table,
-                            int t0, int t1, int kvh, int KV, int G, int D, int block_size, float scale, float *part,
-                            int dt) {
-    float scores[CHUNK * MAX_GROUP];
-    const int n = t1 - t0, d8 = D / 8 * 8;
+                            int t0, int t1, int H, int KV, int D, int block_size, float scale, float *scores,
+                            float *part, int dt) {
+    const int n = t1 - t0, n8 = n / 8 * 8, d8 = D / 8 * 8, G = H / KV;
+    const int64_t row = (int64_t)KV * D;
+    const int es = dt == BF16 ? 2 : 4;
     int64_t rows[SPAN];
+    for (int a = 0; a < AHEAD; a++) prefetch_span(k_cache, table, t0 + a * SPAN, t1, block_size, row, es);
     for (int t = t0; t < t1; t += SPAN) {
         const int span = t1 - t < SPAN ? t1 - t : SPAN;
-        for (int i = 0; i < SPAN; i++) {  /* past the span: repeat its first row (computed, not kept) */
-            const int u = t + (i < span ? i : 0);
-            rows[i] = (((int64_t)table[u / block_size] * block_size + u % block_size) * KV + kvh) * D;
-        }
-        for (int g = 0; g < G; g++) {
-            const float *qg = qf + (int64_t)g * D;
+        prefetch_span(k_cache, table, t + AHEAD * SPAN, t1, block_size, row, es);
+        span_rows(table, t, t1, block_size, row, rows);  /* past the span: its first row (computed, not kept) */
+        for (int h = 0; h < H; h++) {
+            const float *qh = qf + (int64_t)h * D;
+            const int64_t head = (int64_t)(h / G) * D;
             __m256 acc[SPAN];
             for (int i = 0; i < SPAN; i++) acc[i] = _mm256_setzero_ps();
             for (int j = 0; j < d8; j += 8) {
-                const __m256 qv = _mm256_loadu_ps(qg + j);
-                for (int i = 0; i < SPAN; i++) acc[i] = _mm256_fmadd_ps(qv, load8(k_cache, rows[i] + j, dt), acc[i]);
+                const __m256 qv = _mm256_loadu_ps(qh + j);
+                for (int i = 0; i < SPAN; i++)
+                    acc[i] = _mm256_fmadd_ps(qv, load8(k_cache, rows[i] + head + j, dt), acc[i]);
             }
             float sums[SPAN];
             _mm256_storeu_ps(sums, hsum8x8(acc));
             for (int i = 0; i < span; i++) {
                 float s = sums[i];
-                for (int j = d8; j < D; j++) s += qg[j] * load1(k_cache, rows[i] + j, dt);
-                scores[g * CHUNK + (t - t0) + i] = s * scale;
+                for (int j = d8; j < D; j++) s += qh[j] * load1(k_cache, rows[i] + head + j, dt);
+                scores[h * CHUNK + (t - t0) + i] = s * scale;
             }
         }
     }
-    for (int g = 0; g < G; g++) {
-        float *s = scores + g * CHUNK, top = -INFINITY, sum = 0.0f;
-        for (int i = 0; i < n; i++) top = s[i] > top ? s[i] : top;
-        for (int i = 0; i < n; i++) sum += (s[i] = expf(s[i] - top));
-        float *out = part + (int64_t)g * (D + 2);
+    for (int a = 0; a < AHEAD; a++) prefetch_span(v_cache, table, t0 + a * SPAN, t1, block_size, row, es);
+    for (int h = 0; h < H; h++) {
+        float *s = scores + h * CHUNK;
+        __m256 top8 = _mm256_set1_ps(-INFINITY);
+        for (int i = 0; i < n8; i += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + i));
+        float top = hmax8(top8);
+        for (int i = n8; i < n; i++) top = s[i] > top ? s[i] : top;
+        top8 = _mm256_set1_ps(top);
+        __m256 sum8 = _mm256_setzero_ps();
+        for (int i = 0; i < n8; i += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), top8));
+            _mm256_storeu_ps(s + i, e);
+            sum8 = _mm256_add_ps(sum8, e);
+        }
+        float sum = hsum8(sum8);
+        for (int i = n8; i < n; i++) sum += (s[i] = exp1(s[i] - top));
+        for (int i = n; i % SPAN; i++) s[i] = 0.0f;  /* the last span's missing tokens weigh nothing */
+        float *out = part + (int64_t)h * (D + 2);
         out[0] = top, out[1] = sum;
         memset(out + 2, 0, sizeof(float) * D);
     }
     for (int t = t0; t < t1; t += SPAN) {
         const int span = t1 - t < SPAN ? t1 - t : SPAN;
-        for (int i = 0; i < span; i++)
-            rows[i] = (((int64_t)table[(t + i) / block_size] * block_size + (t + i) % block_size) * KV + kvh) * D;
-        for (int g = 0; g < G; g++) {
-            float *out = part + (int64_t)g * (D + 2) + 2;
-            const float *p = scores + g * CHUNK + (t - t0);
+        prefetch_span(v_cache, table, t + AHEAD * SPAN, t1, block_size, row, es);
+        span_rows(table, t, t1, block_size, row, rows);  /* past the span: its first row, with weight 0 */
+        for (int h = 0; h < H; h++) {
+            const int64_t head = (int64_t)(h / G) * D;
+            float *out = part + (int64_t)h * (D + 2) + 2;
+            const float *p = scores + h * CHUNK + (t - t0);
+            __m256 w[SPAN];
+            for (int i = 0; i < SPAN; i++) w[i] = _mm256_set1_ps(p[i]);
             for (int j = 0; j < d8; j += 8) {
                 __m256 o = _mm256_loadu_ps(out + j);
-                for (int i = 0; i < span; i++)
-                    o = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), load8(v_cache, rows[i] + j, dt), o);
+                for (int i = 0; i < SPAN; i++) o = _mm256_fmadd_ps(w[i], load8(v_cache, rows[i] + head + j, dt), o);
                 _mm256_storeu_ps(out + j, o);
             }
             for (int j = d8; j < D; j++)
-                for (int i = 0; i < span; i++) out[j] += p[i] * load1(v_cache, rows[i] + j, dt);
+                for (int i = 0; i < span; i++) out[j] += p[i] * load1(v_cache, rows[i] + head + j, dt);
         }
     }
 }
@@ -279,42 +362,52 @@ INLINE void attention_chunk(const float *qf, const void *k_cache, const void *v_
  * One new query token per sequence over its paged cache (decode).
  * q: [B, H, D] (row stride ldq), caches: [num_blocks, block_size, KV, D], block_tables: [B, ldt] int32,
  * seq_lens: [B] int32, out: [B, H, D] (row stride ldo). The G = H / KV query heads of a KV head
- * share its keys and values. Each (sequence, KV head, chunk of CHUNK tokens) is a task; the
- * chunks' partial softmax sums are merged per head. float32 throughout, the output rounded once
- * (as torch's SDPA). Needs G <= MAX_GROUP.
+ * share its keys and values. Each (sequence, chunk of tokens) is a task for all heads; chunks are
+ * CHUNK tokens, or fewer (down to MIN_CHUNK) when a few short sequences would leave threads idle.
+ * The chunks' partial softmax sums are merged per head. float32 throughout, the output rounded
+ * once (as torch's SDPA).
  */
 void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache,
                           const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, void *out, int64_t ldo,
                           int B, int H, int KV, int D, int block_size, float scale, int dt) {
-    const int G = H / KV;
     int max_len = 0;
     for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    const int chunks = (max_len + CHUNK - 1) / CHUNK;
-    const int64_t part_size = (int64_t)G * (D + 2);
-    float *parts = malloc(sizeof(float) * B * KV * chunks * part_size);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int task = 0; task < B * KV * chunks; task++) {
-        const int b = task / (KV * chunks), kvh = task / chunks % KV, c = task % chunks;
-        const int t0 = c * CHUNK, t1 = t0 + CHUNK < seq_lens[b] ? t0 + CHUNK : seq_lens[b];
-        float *part = parts + (int64_t)task * part_size;
-        if (t0 >= t1) {  /* past this sequence's end: an empty part */
-            for (int g = 0; g < G; g++) part[g * (D + 2)] = -INFINITY, part[g * (D + 2) + 1] = 0.0f;
-            continue;
+    int chunk = CHUNK;
+    const int wanted = 4 * num_threads;  /* tasks enough for dynamic scheduling to even the threads out */
+    if ((int64_t)B * ((max_len + CHUNK - 1) / CHUNK) < wanted) {
+        const int per_seq = (wanted + B - 1) / B;
+        chunk = ((max_len + per_seq - 1) / per_seq + SPAN - 1) / SPAN * SPAN;
+        chunk = chunk < MIN_CHUNK ? MIN_CHUNK : chunk > CHUNK ? CHUNK : chunk;
+    }
+    const int chunks = (max_len + chunk - 1) / chunk;
+    const int64_t part_size = (int64_t)H * (D + 2);
+    float *parts = malloc(sizeof(float) * B * chunks * part_size);
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *qf = malloc(sizeof(float) * ((int64_t)H * D + (int64_t)H * CHUNK)), *scores = qf + (int64_t)H * D;
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < B * chunks; task++) {
+            const int b = task / chunks, t0 = task % chunks * chunk;
+            const int t1 = t0 + chunk < seq_lens[b] ? t0 + chunk : seq_lens[b];
+            float *part = parts + (int64_t)task * part_size;
+            if (t0 >= t1) {  /* past this sequence's end: an empty part */
+                for (int h = 0; h < H; h++) part[h * (D + 2)] = -INFINITY, part[h * (D + 2) + 1] = 0.0f;
+                continue;
+            }
+            to_f32(q, b * ldq, qf, (int64_t)H * D, dt);
+            const int32_t *table = block_tables + b * ldt;
+            if (dt == BF16)
+                attention_chunk(qf, k_cache, v_cache, table, t0, t1, H, KV, D, block_size, scale, scores, part, BF16);
+            else
+                attention_chunk(qf, k_cache, v_cache, table, t0, t1, H, KV, D, block_size, scale, scores, part, F32);
         }
-        float *qf = malloc(sizeof(float) * G * D);
-        to_f32(q, b * ldq + (int64_t)kvh * G * D, qf, (int64_t)G * D, dt);
-        const int32_t *table = block_tables + b * ldt;
-        if (dt == BF16)
-            attention_chunk(qf, k_cache, v_cache, table, t0, t1, kvh, KV, G, D, block_size, scale, part, BF16);
-        else
-            attention_chunk(qf, k_cache, v_cache, table, t0, t1, kvh, KV, G, D, block_size, scale, part, F32);
         free(qf);
     }
     /* The merge is D multiply-adds per chunk and head: a team of threads pays off for many heads only. */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)B * H * chunks * D > 65536)
     for (int head = 0; head < B * H; head++) {
-        const int b = head / H, kvh = head % H / G, g = head % H % G;
-        const float *first = parts + ((int64_t)(b * KV + kvh) * chunks) * part_size + (int64_t)g * (D + 2);
+        const int b = head / H, h = head % H;
+        const float *first = parts + (int64_t)b * chunks * part_size + (int64_t)h * (D + 2);
         float top = -INFINITY, sum = 0.0f;
         for (int c = 0; c < chunks; c++) top = first[c * part_size] > top ? first[c * part_size] : top;
         float acc[1024];
@@ -322,11 +415,11 @@ void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const
         for (int c = 0; c < chunks; c++) {
             const float *part = first + c * part_size;
             if (part[1] == 0.0f) continue;
-            const float w = expf(part[0] - top);
+            const float w = exp1(part[0] - top);
             sum += part[1] * w;
             for (int j = 0; j < D; j++) acc[j] += part[2 + j] * w;
         }
-        for (int j = 0; j < D; j++) store1(out, b * ldo + (int64_t)(kvh * G + g) * D + j, acc[j] / sum, dt);
+        for (int j = 0; j < D; j++) store1(out, b * ldo + (int64_t)h * D + j, acc[j] / sum, dt);
     }
     free(parts);
 }

@@ -57,6 +57,8 @@ _SIGNATURES = {
         + (c_int,) * 5
         + (c_float, c_int)
     ),
+    # x, y, n (the attention's exp, for the tests)
+    "kvg_exp": (c_void_p, c_void_p, c_int64),
 }
 _QUANT_SIGNATURES = {
     "kvq_set_num_threads": (c_int,),
@@ -66,6 +68,8 @@ _QUANT_SIGNATURES = {
     "kvq_dequantize_rows": (c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int, c_void_p),
     # x, M, K, dtype, q, scale
     "kvq_quantize_rows_int8": (c_void_p, c_int, c_int64, c_int, c_void_p, c_void_p),
+    # x, M, K, dtype, q, scale, q2, scale2
+    "kvq_quantize_residual_int8": (c_void_p, c_int, c_int64, c_int, c_void_p, c_void_p, c_void_p, c_void_p),
     # acc, M, N, row_scale, col_scale, bias, y, ldy, dtype, accumulate
     "kvq_scale_int32": (c_void_p, c_int, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int),
 }

@@ -41,11 +41,10 @@ class CpuDecodePath:
         dtype_name = str(dtype).removeprefix("torch.")
         if dtype_name not in DTYPE_CODES:
             raise ValueError(f"the native CPU kernels take float32 or bfloat16 weights, not {dtype}")
-        group = a.num_heads // a.num_kv_heads
-        if a.head_dim % 2 or a.head_dim > 1024 or a.num_heads % a.num_kv_heads or group > 16:
+        if a.head_dim % 2 or a.head_dim > 1024 or a.num_heads % a.num_kv_heads:
             raise ValueError(
-                f"the native CPU kernels take an even head_dim up to 1024 and up to 16 query heads per KV head,"
-                f" not head_dim {a.head_dim} with {a.num_heads} query and {a.num_kv_heads} KV heads"
+                f"the native CPU kernels take an even head_dim up to 1024 and a whole number of query heads per"
+                f" KV head, not head_dim {a.head_dim} with {a.num_heads} query and {a.num_kv_heads} KV heads"
             )
         for p in model.parameters():
             if not p.is_contiguous() or p.device.type != "cpu":
