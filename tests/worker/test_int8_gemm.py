@@ -27,10 +27,12 @@ def ends(request, monkeypatch):
 
 @pytest.mark.parametrize("rows,n,k", [(1, 64, 64), (3, 37, 45), (64, 130, 160), (5, 9, 1537)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_equals_reference(ends, rows, n, k, dtype):
+@pytest.mark.parametrize("terms", [1, 2])
+def test_equals_reference(ends, rows, n, k, dtype, terms):
     """float16 (which the C ends do not take) goes through torch's ends."""
     x = randn(rows, k, seed=1).to(dtype)
     packed = formats.quantize_int8(randn(n, k, seed=2))
+    packed.activation_terms = terms
     bias = randn(n, seed=3).to(dtype)
     out = torch.full((rows, n), float("nan"), dtype=dtype)
     int8_gemm_into(x, packed, bias, out)
@@ -40,6 +42,21 @@ def test_equals_reference(ends, rows, n, k, dtype):
     # and it stays close to the float product it stands for
     exact = x.float() @ formats.dequantize(packed).T + bias.float()
     assert (out.float() - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+def test_second_term_takes_back_the_activation_rounding(ends):
+    """With one outlier channel per row, one scale per row leaves the rest a few levels; the second
+    term (the rounding error, quantized) brings the product within float32 rounding of exact."""
+    x = randn(16, 1536, seed=12)
+    x[:, 7] = 60.0
+    packed = formats.quantize_int8(randn(64, 1536, seed=13))
+    exact = x @ formats.dequantize(packed).T
+    errors = []
+    for terms in (1, 2):
+        packed.activation_terms = terms
+        out = packed_linear(x, packed)
+        errors.append((out - exact).abs().max().item())
+    assert errors[1] < errors[0] / 50, errors
 
 
 def test_accumulates_into_strided_rows(ends):

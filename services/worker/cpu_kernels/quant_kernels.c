@@ -526,6 +526,38 @@ __attribute__((target_clones("avx2", "default"))) void kvq_quantize_rows_int8(co
 }
 
 /*
+ * The rounding error kvq_quantize_rows_int8 left in each row, r = x - scale q (float32), quantized the
+ * same way into q2 and scale2: the int8 GEMM's second activation term. r is computed twice (for the
+ * maximum, then for the values) rather than stored.
+ */
+__attribute__((target_clones("avx2", "default"))) void kvq_quantize_residual_int8(const void *x, int M, int64_t K,
+                                                                                   int dt, const int8_t *q,
+                                                                                   const float *scale, int8_t *q2,
+                                                                                   float *scale2) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * K > 65536)
+    for (int m = 0; m < M; m++) {
+        const int64_t at = (int64_t)m * K;
+        const float s = scale[m];
+        float lanes[8] = {0}, amax = 0.0f;
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8)
+            for (int j = 0; j < 8; j++) {
+                const float r = fabsf(load1(x, at + k + j, dt) - (float)q[at + k + j] * s);
+                lanes[j] = r > lanes[j] ? r : lanes[j];
+            }
+        for (; k < K; k++) {
+            const float r = fabsf(load1(x, at + k, dt) - (float)q[at + k] * s);
+            amax = r > amax ? r : amax;
+        }
+        for (int j = 0; j < 8; j++) amax = lanes[j] > amax ? lanes[j] : amax;
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, magic = 12582912.0f; /* see above */
+        for (k = 0; k < K; k++)
+            q2[at + k] = (int8_t)(((load1(x, at + k, dt) - (float)q[at + k] * s) * inv + magic) - magic);
+        scale2[m] = amax / 127.0f;
+    }
+}
+
+/*
  * y[m, n] (+)= acc[m, n] * row_scale[m] * col_scale[n] + bias[n]: the int32 sums of the int8 GEMM
  * back to dtype dt, into rows of stride ldy; accumulate rounds the product to dt first, as put().
  */

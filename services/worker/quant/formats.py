@@ -22,7 +22,7 @@ they take either layout.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -40,6 +40,9 @@ class PackedWeight:
     scales: torch.Tensor | None = None  # int8: [N] float32
     num_rows: int = -1  # N; data has more rows once tiled (whole tiles)
     tiled: bool = False  # data in the kernels' tiled layout (see the module docstring)
+    # int8 GEMM only, 1 or 2: 2 also quantizes each activation row's rounding error to int8 and adds its product
+    # (two GEMMs), for inputs whose outlier channels one scale per row represents poorly
+    activation_terms: int = 1
 
     def __post_init__(self):
         if self.num_rows < 0:
@@ -59,7 +62,9 @@ class PackedWeight:
         if self.tiled:
             return untile(self).rows(index)
         scales = None if self.scales is None else self.scales[index]
-        return PackedWeight(self.format, self.data[index].contiguous(), self.num_cols, scales)
+        return PackedWeight(
+            self.format, self.data[index].contiguous(), self.num_cols, scales, activation_terms=self.activation_terms
+        )
 
 
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
@@ -109,7 +114,7 @@ def tile(packed: PackedWeight) -> PackedWeight:
     header = blocks[..., : 2 * fields].reshape(t, b, TILE, fields, 2).transpose(2, 3)
     values = blocks[..., 2 * fields :].reshape(t, b, TILE, chunks, 4).transpose(2, 3)
     records = torch.cat([header.reshape(t, b, 2 * fields * TILE), values.reshape(t, b, 4 * chunks * TILE)], dim=-1)
-    return PackedWeight(packed.format, records.reshape(rows, width), k, packed.scales, n, tiled=True)
+    return replace(packed, data=records.reshape(rows, width), tiled=True)
 
 
 def untile(packed: PackedWeight) -> PackedWeight:
@@ -127,7 +132,7 @@ def untile(packed: PackedWeight) -> PackedWeight:
     data = blocks.transpose(1, 2).reshape(rows, width)[:n]
     if packed.format == "int8":
         data = data[:, :k]
-    return PackedWeight(packed.format, data.contiguous(), k, packed.scales, n)
+    return replace(packed, data=data.contiguous(), tiled=False)
 
 
 def _blocks(packed: PackedWeight) -> torch.Tensor:  # [N, K / 32, block bytes] uint8
@@ -215,10 +220,15 @@ def reference_int8_gemm(
     x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None, int_mm: Callable | None = None
 ) -> torch.Tensor:
     """What the int8 GEMM path computes: x quantized per row, exact integer sums, times the row's and
-    the channel's scales. ``int_mm`` (q [M, K] int8, w [K, N] int8) -> int32 sums, default exact
-    in int64. [M, K] float32 -> [M, N] float32."""
-    q, scale = quantize_rows_int8(x.float())
+    the channel's scales; with ``activation_terms`` 2, plus the same of x's rounding error.
+    ``int_mm`` (q [M, K] int8, w [K, N] int8) -> int32 sums, default exact in int64.
+    [M, K] float32 -> [M, N] float32."""
     weight = untile(packed).data.t()
-    sums = int_mm(q, weight) if int_mm is not None else q.long() @ weight.long()
-    out = sums.float() * scale * packed.scales
+    out, x = None, x.float()
+    for _ in range(packed.activation_terms):
+        q, scale = quantize_rows_int8(x)
+        sums = int_mm(q, weight) if int_mm is not None else q.long() @ weight.long()
+        term = sums.float() * scale * packed.scales
+        out = term if out is None else out + term
+        x = x - q.float() * scale
     return out if bias is None else out + bias

@@ -61,7 +61,8 @@ def int8_gemm_into(
     accumulate: bool = False,
 ) -> None:
     """out[:, :N] (+)= x W^T + bias for int8 W: x quantized per row (scale max |x| / 127), int32
-    sums from oneDNN's int8 GEMM, then both scales (``formats.reference_int8_gemm``)."""
+    sums from oneDNN's int8 GEMM, then both scales; with ``activation_terms`` 2 the rounding error
+    of x takes a second pass (``formats.reference_int8_gemm``)."""
     lib = _native()
     if lib is None or x.dtype not in (torch.float32, torch.bfloat16):  # the C ends take these two
         product = reference_int8_gemm(x.float(), packed, None if bias is None else bias.float(), torch._int_mm)
@@ -69,16 +70,23 @@ def int8_gemm_into(
         target.add_(product.to(out.dtype)) if accumulate else target.copy_(product)
         return
     m, k = x.shape
+    terms = packed.activation_terms
     dtype = DTYPE_CODES[str(x.dtype).removeprefix("torch.")]
-    q = torch.empty(m, k, dtype=torch.int8)
-    row_scale = torch.empty(m, dtype=torch.float32)
+    q = torch.empty(terms * m, k, dtype=torch.int8)  # each term's rows under the last: one GEMM for all
+    row_scale = torch.empty(terms * m, dtype=torch.float32)
     lib.kvq_set_num_threads(torch.get_num_threads())
     lib.kvq_quantize_rows_int8(x.data_ptr(), m, k, dtype, q.data_ptr(), row_scale.data_ptr())
+    if terms == 2:  # what the first term's rounding lost, quantized the same way
+        lib.kvq_quantize_residual_int8(
+            x.data_ptr(), m, k, dtype, q.data_ptr(), row_scale.data_ptr(), q[m:].data_ptr(), row_scale[m:].data_ptr()
+        )
     sums = torch._int_mm(q, untile(packed).data.t())  # weight [K, N]: a view of the rows as stored
-    lib.kvq_scale_int32(
-        sums.data_ptr(), m, sums.shape[1], row_scale.data_ptr(), packed.scales.data_ptr(), _ptr(bias), out.data_ptr(),
-        out.stride(0), dtype, int(accumulate),
-    )  # fmt: skip
+    n = sums.shape[1]
+    for t in range(terms):
+        lib.kvq_scale_int32(
+            sums[t * m :].data_ptr(), m, n, row_scale[t * m :].data_ptr(), packed.scales.data_ptr(),
+            _ptr(None if t else bias), out.data_ptr(), out.stride(0), dtype, int(accumulate or t > 0),
+        )  # fmt: skip
 
 
 def _native():
