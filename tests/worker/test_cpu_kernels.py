@@ -58,16 +58,27 @@ def test_linear_accumulates_into_strided_rows(lib, dtype):
     torch.testing.assert_close(y, expected, **TOLERANCE[dt])
 
 
-def test_rms_norm_and_silu_mul(lib, dtype):
+def test_rms_norm(lib, dtype):
     dt, code = dtype
     x, w = randn(3, 72, dtype=dt, seed=7), randn(72, dtype=dt, seed=8)
     out = torch.empty_like(x)
     lib.kvg_rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), 3, 72, 1e-5, code)
     torch.testing.assert_close(out, F.rms_norm(x, (72,), w, 1e-5), **TOLERANCE[dt])
-    gate_up = randn(3, 2 * 40, dtype=dt, seed=9) * 4
-    act = torch.empty(3, 40, dtype=dt)
-    lib.kvg_silu_mul(gate_up.data_ptr(), act.data_ptr(), 3, 40, code)
-    gate, up = gate_up.split(40, dim=-1)
+
+@pytest.mark.parametrize("rows,width", [(3, 40), (5, 43), (64, 1536)])
+def test_silu_mul(lib, dtype, rows, width):
+    """Widths with a tail shorter than a vector, and a batch large enough to split across threads;
+    gates far out on both sides (exp's clamp)."""
+    dt, code = dtype
+    gate_up = randn(rows, 2 * width, dtype=dt, seed=9) * 4
+    gate_up[0, :4] = torch.tensor([-120.0, -90.0, 90.0, 120.0]).to(dt)
+    act = torch.empty(rows, width, dtype=dt)
+    lib.kvg_set_num_threads(2)
+    try:
+        lib.kvg_silu_mul(gate_up.data_ptr(), act.data_ptr(), rows, width, code)
+    finally:
+        lib.kvg_set_num_threads(1)
+    gate, up = gate_up.split(width, dim=-1)
     torch.testing.assert_close(act, F.silu(gate) * up, **TOLERANCE[dt])
 
 
