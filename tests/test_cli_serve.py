@@ -212,7 +212,7 @@ def test_worker_thread_arrangement():
     from kvgrid.threads import worker_arrangement
 
     env, line = worker_arrangement(0, 2, {})
-    assert env == {"GOMP_SPINCOUNT": "20000"} and "2 threads sharing 2 cores" in line
+    assert env == {"GOMP_SPINCOUNT": "300000"} and "2 threads sharing 2 cores" in line
     env, line = worker_arrangement(0, 2, {"OMP_WAIT_POLICY": "active"})
     assert env == {} and "OMP_WAIT_POLICY=active" in line
     env, line = worker_arrangement(4, 16, {})
@@ -226,5 +226,5 @@ def test_serve_hands_the_worker_its_arrangement(monkeypatch, capsys):
     config = serve.child_config(parse([]))
     worker = serve.build_children(config)[0]
     serve.arrange_worker_threads(config, worker)
-    assert worker.env == {"GOMP_SPINCOUNT": "20000"}
+    assert worker.env == {"GOMP_SPINCOUNT": "300000"}
     assert "kvgrid serve: worker: 2 threads sharing 2 cores" in capsys.readouterr().out
