@@ -45,15 +45,6 @@ static void to_f32(const void *src, int64_t offset, float *dst, int64_t n, int d
     for (int64_t i = 0; i < n; i++) dst[i] = load1(src, offset + i, dt);
 }
 
-static float dot_f32(const float *a, const float *b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum8(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
 /* ---- linear: y = x W^T + b --------------------------------------------------------------- */
 
 #define ROWS 4 /* output rows per task: four weight streams in flight */

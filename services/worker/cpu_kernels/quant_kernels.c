@@ -359,17 +359,24 @@ AVX2_FNS __m256 tile_dot(const int fmt, const uint8_t *tile, int64_t nb, const i
     return _mm256_add_ps(acc, offsets);
 }
 
+/*
+ * out = KERNEL(fmt, ...) with fmt a constant in each branch, so that the inlined kernel is compiled
+ * once per format (the AVX2 and VNNI dispatchers below differ only in target and kernel).
+ */
+#define STORE_TILE_BY_FORMAT(KERNEL, fmt, out, ...)                                   \
+    do {                                                                              \
+        switch (fmt) {                                                                \
+            case INT8: _mm256_storeu_ps(out, KERNEL(INT8, __VA_ARGS__)); break;       \
+            case Q8_0: _mm256_storeu_ps(out, KERNEL(Q8_0, __VA_ARGS__)); break;       \
+            case Q4_0: _mm256_storeu_ps(out, KERNEL(Q4_0, __VA_ARGS__)); break;       \
+            default: _mm256_storeu_ps(out, KERNEL(Q4_1, __VA_ARGS__)); break;         \
+        }                                                                             \
+    } while (0)
+
 __attribute__((target("avx2,fma,f16c"))) static void tile_any(int fmt, const uint8_t *tile, int64_t nb,
                                                               const int8_t *xq, const float *xd, const float *xds,
                                                               int64_t ahead, float out[TILE]) {
-    __m256 v;
-    switch (fmt) {
-        case INT8: v = tile_dot(INT8, tile, nb, xq, xd, xds, ahead); break;
-        case Q8_0: v = tile_dot(Q8_0, tile, nb, xq, xd, xds, ahead); break;
-        case Q4_0: v = tile_dot(Q4_0, tile, nb, xq, xd, xds, ahead); break;
-        default: v = tile_dot(Q4_1, tile, nb, xq, xd, xds, ahead); break;
-    }
-    _mm256_storeu_ps(out, v);
+    STORE_TILE_BY_FORMAT(tile_dot, fmt, out, tile, nb, xq, xd, xds, ahead);
 }
 
 /* ---- AVX-512 VNNI -------------------------------------------------------------------------- */
@@ -415,14 +422,7 @@ VNNI_FNS __m256 tile_dot_vnni(const int fmt, const uint8_t *tile, int64_t nb, co
 __attribute__((target(VNNI_TARGET))) static void tile_any_vnni(int fmt, const uint8_t *tile, int64_t nb,
                                                                const uint8_t *xw, const float *xd, const float *xds,
                                                                int64_t ahead, float out[TILE]) {
-    __m256 v;
-    switch (fmt) {
-        case INT8: v = tile_dot_vnni(INT8, tile, nb, xw, xd, xds, ahead); break;
-        case Q8_0: v = tile_dot_vnni(Q8_0, tile, nb, xw, xd, xds, ahead); break;
-        case Q4_0: v = tile_dot_vnni(Q4_0, tile, nb, xw, xd, xds, ahead); break;
-        default: v = tile_dot_vnni(Q4_1, tile, nb, xw, xd, xds, ahead); break;
-    }
-    _mm256_storeu_ps(out, v);
+    STORE_TILE_BY_FORMAT(tile_dot_vnni, fmt, out, tile, nb, xw, xd, xds, ahead);
 }
 
 /* Tiles across threads, each tile against every x row (the first row streams it from memory, the
