@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from kvgrid.v1 import common_pb2
+from services.worker.cpu_kernels.library import NativeKernelsUnavailable
+from services.worker.cpu_kernels.library import load as load_decode_kernels
 from services.worker.penalties import apply_penalties, gather_penalty_state, penalty_params
 from services.worker.sampling_filters import apply_min_p, apply_top_k, apply_top_k_top_p
 from services.worker.sampling_params import RequestSampling, device_tensor
@@ -37,6 +39,22 @@ def _splitmix64(x: int) -> int:
 def position_seed(seed: int, position: int) -> int:
     """Generator seed for output token ``position`` of a request seeded with ``seed`` (63 bits, torch-safe)."""
     return _splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 1
+
+
+def _cpu_argmax(logits: torch.Tensor) -> list[int]:
+    """torch.argmax(logits, -1) of float32 CPU rows (the first maximum, or the first NaN), natively when
+    the decode kernels load here."""
+    try:
+        lib = load_decode_kernels()
+    except NativeKernelsUnavailable:
+        return logits.argmax(dim=-1).tolist()
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    lib.kvg_set_num_threads(torch.get_num_threads())
+    lib.kvg_argmax_rows(logits.data_ptr(), logits.stride(0), rows, vocab, out.data_ptr())
+    return out.tolist()
 
 
 @dataclass(slots=True)
@@ -70,10 +88,11 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(requests)} rows x {self.vocab_size}")
         logits = logits[:, : self.vocab_size]
         if all(r.plain_greedy for r in requests):
-            # Hot path: one argmax over the batch. On CUDA it reads bf16 as is; the CPU has no
-            # vectorised bf16 argmax, and upcasting first is about 3x faster there.
+            # Hot path: one argmax over the batch. On CUDA it reads bf16 as is; on the CPU the
+            # native kernel takes float32 rows (upcasting bf16 first is ~3x faster than torch's
+            # bf16 argmax, and the native argmax ~8x faster than torch's float32 one).
             if logits.device.type == "cpu":
-                logits = logits.float()
+                return SamplerOutput(_cpu_argmax(logits.float()), [None] * len(requests))
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         return self._sample_full(logits.to(torch.float32, copy=True), requests)
 

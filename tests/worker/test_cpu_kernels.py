@@ -58,46 +58,73 @@ def test_linear_accumulates_into_strided_rows(lib, dtype):
     torch.testing.assert_close(y, expected, **TOLERANCE[dt])
 
 
-def test_rms_norm(lib, dtype):
+@pytest.fixture
+def two_threads(lib):
+    lib.kvg_set_num_threads(2)
+    yield
+    lib.kvg_set_num_threads(1)
+
+
+@pytest.mark.parametrize("rows,width", [(3, 72), (5, 75), (64, 576)])
+def test_rms_norm(lib, dtype, two_threads, rows, width):
+    """A width with a tail shorter than a vector, and a batch that splits across threads."""
     dt, code = dtype
-    x, w = randn(3, 72, dtype=dt, seed=7), randn(72, dtype=dt, seed=8)
+    x, w = randn(rows, width, dtype=dt, seed=7), randn(width, dtype=dt, seed=8)
     out = torch.empty_like(x)
-    lib.kvg_rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), 3, 72, 1e-5, code)
-    torch.testing.assert_close(out, F.rms_norm(x, (72,), w, 1e-5), **TOLERANCE[dt])
+    lib.kvg_rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, width, 1e-5, code)
+    torch.testing.assert_close(out, F.rms_norm(x, (width,), w, 1e-5), **TOLERANCE[dt])
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 5), (3, 77), (64, 4099)])
+def test_argmax_rows(lib, two_threads, rows, vocab):
+    """torch.argmax of padded rows: the first of tied maxima (in one lane, across lanes, in the
+    tail), the first NaN of a row that has any, and -inf rows."""
+    padded = randn(rows, vocab + 3, dtype=torch.float32, seed=20)
+    padded[:, vocab:] = 1e30  # padding past the vocabulary never wins
+    logits = padded[:, :vocab]
+    if rows > 1:
+        logits[1, [vocab - 1, 2]] = 50.0  # the tie's later index sits in a higher lane
+        logits[2].fill_(float("-inf"))
+    if rows > 3:
+        logits[3, [9, 17, 4000]] = 60.0  # same lane, then the tail
+        logits[4, [30, 1000]] = float("nan")
+        logits[4, 7] = float("inf")
+    out = torch.empty(rows, dtype=torch.int64)
+    lib.kvg_argmax_rows(logits.data_ptr(), logits.stride(0), rows, vocab, out.data_ptr())
+    assert out.tolist() == logits.argmax(dim=-1).tolist()
 
 @pytest.mark.parametrize("rows,width", [(3, 40), (5, 43), (64, 1536)])
-def test_silu_mul(lib, dtype, rows, width):
+def test_silu_mul(lib, dtype, two_threads, rows, width):
     """Widths with a tail shorter than a vector, and a batch large enough to split across threads;
     gates far out on both sides (exp's clamp)."""
     dt, code = dtype
     gate_up = randn(rows, 2 * width, dtype=dt, seed=9) * 4
     gate_up[0, :4] = torch.tensor([-120.0, -90.0, 90.0, 120.0]).to(dt)
     act = torch.empty(rows, width, dtype=dt)
-    lib.kvg_set_num_threads(2)
-    try:
-        lib.kvg_silu_mul(gate_up.data_ptr(), act.data_ptr(), rows, width, code)
-    finally:
-        lib.kvg_set_num_threads(1)
+    lib.kvg_silu_mul(gate_up.data_ptr(), act.data_ptr(), rows, width, code)
     gate, up = gate_up.split(width, dim=-1)
     torch.testing.assert_close(act, F.silu(gate) * up, **TOLERANCE[dt])
 
 
-def test_rope_and_cache_write(lib, dtype):
+@pytest.mark.parametrize("rows", [3, 12])
+def test_rope_and_cache_write(lib, dtype, two_threads, rows):
+    """A few rows, and enough to split across threads."""
     dt, code = dtype
     heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
     width = (heads + 2 * kv_heads) * head_dim
-    qkv = randn(3, width, dtype=dt, seed=10)
+    qkv = randn(rows, width, dtype=dt, seed=10)
     cos, sin = cos_sin_tables(head_dim, 10000.0, {}, 64, dt, torch.device("cpu"))
-    positions, slots = torch.tensor([0, 17, 63]), torch.tensor([5, 30, 12])
+    positions = torch.randperm(64, generator=torch.Generator().manual_seed(1))[:rows]
+    slots = torch.randperm(8 * block_size, generator=torch.Generator().manual_seed(2))[:rows]
     k_cache, v_cache = (torch.zeros(8, block_size, kv_heads, head_dim, dtype=dt) for _ in range(2))
 
-    qk = qkv[:, : (heads + kv_heads) * head_dim].view(3, -1, head_dim)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(rows, -1, head_dim)
     expected_qk = apply_rotary(qk, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
-    expected_v = qkv[:, (heads + kv_heads) * head_dim :].view(3, kv_heads, head_dim).clone()
+    expected_v = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim).clone()
 
     lib.kvg_rope_write_kv(
         qkv.data_ptr(), width, cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), 3, heads, kv_heads, head_dim, code,
+        k_cache.data_ptr(), v_cache.data_ptr(), rows, heads, kv_heads, head_dim, code,
     )  # fmt: skip
     torch.testing.assert_close(qk, expected_qk, **TOLERANCE[dt])
     flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)

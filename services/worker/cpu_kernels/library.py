@@ -57,6 +57,8 @@ _SIGNATURES = {
         + (c_int,) * 5
         + (c_float, c_int)
     ),
+    # x, ldx, M, N, out (int64)
+    "kvg_argmax_rows": (c_void_p, c_int64, c_int, c_int64, c_void_p),
     # x, y, n (the attention's exp, for the tests)
     "kvg_exp": (c_void_p, c_void_p, c_int64),
 }

@@ -492,7 +492,7 @@ void kvq_dequantize_rows(const void *w, const float *scales, const int64_t *inde
  */
 __attribute__((target_clones("avx2", "default"))) void kvq_quantize_rows_int8(const void *x, int M, int64_t K, int dt,
                                                                                int8_t *q, float *scale) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * K > 65536)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * K > 8192)
     for (int m = 0; m < M; m++) {
         float amax = 0.0f;
         if (dt == F32) {
@@ -534,7 +534,7 @@ __attribute__((target_clones("avx2", "default"))) void kvq_quantize_residual_int
                                                                                    int dt, const int8_t *q,
                                                                                    const float *scale, int8_t *q2,
                                                                                    float *scale2) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * K > 65536)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * K > 8192)
     for (int m = 0; m < M; m++) {
         const int64_t at = (int64_t)m * K;
         const float s = scale[m];
@@ -565,13 +565,16 @@ __attribute__((target_clones("avx2", "default"))) void kvq_scale_int32(const int
                                                                         const float *row_scale, const float *col_scale,
                                                                         const void *bias, void *y, int64_t ldy, int dt,
                                                                         int accumulate) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * N > 65536)
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * N > 8192)
     for (int m = 0; m < M; m++) {
         const int32_t *row = acc + (int64_t)m * N;
         const float rs = row_scale[m];
-        if (dt == F32 && !bias && !accumulate) {
+        if (dt == F32 && !bias) {  /* the decode step's cases, vectorised */
             float *out = (float *)y + (int64_t)m * ldy;
-            for (int64_t n = 0; n < N; n++) out[n] = (float)row[n] * rs * col_scale[n];
+            if (accumulate)
+                for (int64_t n = 0; n < N; n++) out[n] += (float)row[n] * rs * col_scale[n];
+            else
+                for (int64_t n = 0; n < N; n++) out[n] = (float)row[n] * rs * col_scale[n];
             continue;
         }
         for (int64_t n = 0; n < N; n++) {
