@@ -46,7 +46,8 @@ class LoadedModel:
 
     @property
     def weights_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters()) + packed_bytes(self.model)
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return params + packed_bytes(self.model) + self.model.packed_gemm_bytes()
 
     @property
     def attention_backend(self) -> str:
@@ -123,6 +124,8 @@ def load_model(
     if upcast_matmuls:
         log.info("%s weights are multiplied in float32: this CPU has no bfloat16 units", torch_dtype)
     model.set_upcast_matmuls(upcast_matmuls)
+    if torch_device.type == "cpu":
+        log.info("float32 GEMMs: %s", model.set_packed_gemms())
     attach_cpu_kernels(model, cpu_kernels, torch_device, backend.name)
     if torch_device.type == "cpu":
         cpu = detect_cpu()

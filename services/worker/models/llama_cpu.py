@@ -5,10 +5,11 @@ layer. torch's bfloat16 matrix-vector product reaches about half the memory band
 and each small eager op costs 2-20 us of dispatch; ``cpu_kernels/decode_kernels.c`` streams
 the weights at close to bandwidth and does each small op in one call, 9 calls per layer.
 Norms, rotary embedding, the cache write and paged attention over the block tables always run
-here. Matmuls pick their kernel by row count: float weights take the native GEMV up to
-``NATIVE_ROWS`` rows and torch's GEMM above (compute-bound there, where MKL is faster); packed
-weights (``--quantization``) take ``quant.matmul``. Same weights, same KV cache, same numerics
-op for op (see the C files).
+here. Matmuls pick their kernel by row count: float weights take the native GEMV for one row and
+MKL's GEMM on weights packed at load above (``Linear.gemm``: 1.1x the GEMV at 2 rows, 1.4x at 12);
+without those, the native GEMV up to ``NATIVE_ROWS`` rows and torch's GEMM above (compute-bound
+there, where MKL is faster); packed weights (``--quantization``) take ``quant.matmul``. Same
+weights, same KV cache, same numerics op for op (see the C files).
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ from __future__ import annotations
 import ctypes
 
 import torch
-import torch.nn.functional as F
 
 from ..attention.base import AttentionMetadata
 from ..cpu_kernels.library import DTYPE_CODES, load_quant
 from ..quant.formats import FORMAT_CODES
 from ..quant.matmul import DEQUANTIZE_ROWS, linear_into, packed_linear
 
-# Float weights: rows up to which the native GEMV beats torch's GEMM. Measured on a 2-core AVX2
+# Float weights without a packed GEMM: rows up to which the native GEMV beats torch's GEMM. Measured on a 2-core AVX2
 # CPU against the torch path: bf16 1.7x at 8 requests, 1.4x at 16, 0.9x at 24; float32 1.2x at 24.
 NATIVE_ROWS = 16
 
@@ -79,7 +79,7 @@ class CpuDecodePath:
                 return
             linear_into(x, module.packed, module.bias, out, accumulate)
             return
-        if module.packed is None and rows <= self.native_rows:
+        if module.packed is None and rows <= (1 if module.gemm is not None else self.native_rows):
             n, k = module.weight.shape
             self.lib.kvg_linear(
                 x.data_ptr(), module.weight.data_ptr(), _ptr(module.bias), out.data_ptr(), out.stride(0), rows, n, k,
@@ -182,11 +182,8 @@ class CpuDecodePath:
                 linear_into(normed, module.packed, None, out)
             return out
         weight = module.weight
-        if rows > self.native_rows:
-            if model.upcast_matmuls:
-                weight = weight.float() if model.logits_weight_f32 is None else model.logits_weight_f32
-                return F.linear(normed.float(), weight)
-            return F.linear(normed, weight)
+        if rows > (1 if model.logits_gemm is not None else self.native_rows):
+            return model.multi_row_logits(normed)
         vocab = weight.shape[0]
         out = torch.empty(rows, vocab, dtype=self.dtype)
         self.lib.kvg_linear(normed.data_ptr(), weight.data_ptr(), None, out.data_ptr(), vocab, rows, vocab,
