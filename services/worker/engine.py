@@ -234,5 +234,6 @@ def create_runner(loaded: LoadedModel, block_size: int, num_blocks: int, seed: i
     kv_caches = allocate_kv_cache(
         a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim, loaded.dtype, loaded.device
     )
-    sampler = Sampler(a.vocab_size, loaded.device, seed)
+    cpu_decode = loaded.model.cpu_decode
+    sampler = Sampler(a.vocab_size, loaded.device, seed, cpu_kernels=None if cpu_decode is None else cpu_decode.lib)
     return ModelRunner(loaded.model, kv_caches, block_size, sampler, loaded.device)

@@ -12,13 +12,12 @@ and not on whether the request was preempted and resumed.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from kvgrid.v1 import common_pb2
-from services.worker.cpu_kernels.library import NativeKernelsUnavailable
-from services.worker.cpu_kernels.library import load as load_decode_kernels
 from services.worker.penalties import apply_penalties, gather_penalty_state, penalty_params
 from services.worker.sampling_filters import apply_min_p, apply_top_k, apply_top_k_top_p
 from services.worker.sampling_params import RequestSampling, device_tensor
@@ -41,13 +40,9 @@ def position_seed(seed: int, position: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 1
 
 
-def _cpu_argmax(logits: torch.Tensor) -> list[int]:
-    """torch.argmax(logits, -1) of float32 CPU rows (the first maximum, or the first NaN), natively when
-    the decode kernels load here."""
-    try:
-        lib = load_decode_kernels()
-    except NativeKernelsUnavailable:
-        return logits.argmax(dim=-1).tolist()
+def _native_argmax(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int]:
+    """torch.argmax(logits, -1) of float32 CPU rows (the first maximum, or the first NaN), through
+    the decode kernels' ``kvg_argmax_rows``."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
@@ -68,10 +63,15 @@ class Sampler:
 
     Unseeded requests share one generator, seeded from ``seed`` or else from the first
     ``default_seed`` a request carries (the worker's --seed); with neither it is seeded at random.
+    ``cpu_kernels``: the native decode kernels when the model runs on them; greedy rows on the CPU
+    then take their argmax.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device, seed: int | None = None):
+    def __init__(
+        self, vocab_size: int, device: torch.device, seed: int | None = None, cpu_kernels: ctypes.CDLL | None = None
+    ):
         self.vocab_size = vocab_size
+        self.cpu_kernels = cpu_kernels
         self.device = torch.device(device)
         self._shared = torch.Generator(device=self.device)
         self._shared_seeded = seed is not None
@@ -92,7 +92,9 @@ class Sampler:
             # native kernel takes float32 rows (upcasting bf16 first is ~3x faster than torch's
             # bf16 argmax, and the native argmax ~8x faster than torch's float32 one).
             if logits.device.type == "cpu":
-                return SamplerOutput(_cpu_argmax(logits.float()), [None] * len(requests))
+                logits = logits.float()
+                if self.cpu_kernels is not None:
+                    return SamplerOutput(_native_argmax(self.cpu_kernels, logits), [None] * len(requests))
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         return self._sample_full(logits.to(torch.float32, copy=True), requests)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvgrid.v1 import common_pb2
 from services.worker.attention.base import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.cpu_kernels import library
@@ -15,6 +16,7 @@ from services.worker.engine import create_runner, load_model
 from services.worker.loader import ModelLoadError
 from services.worker.models.llama_cpu import NATIVE_ROWS
 from services.worker.models.rope import apply_rotary, cos_sin_tables
+from services.worker.sampling_params import RequestSampling
 from tests.worker.tiny import request, run_logits, save_tiny_model
 
 DTYPES = {"float32": (torch.float32, 0), "bfloat16": (torch.bfloat16, 1)}
@@ -92,6 +94,22 @@ def test_argmax_rows(lib, two_threads, rows, vocab):
     out = torch.empty(rows, dtype=torch.int64)
     lib.kvg_argmax_rows(logits.data_ptr(), logits.stride(0), rows, vocab, out.data_ptr())
     assert out.tolist() == logits.argmax(dim=-1).tolist()
+
+
+def test_greedy_sampler_takes_native_argmax(tmp_path, lib):
+    """A runner over the native kernels hands them to its sampler; greedy rows of padded logits
+    (bf16 upcast, a NaN row) pick what torch.argmax picks. --cpu-kernels torch leaves torch's."""
+    path = save_tiny_model(str(tmp_path), "llama")
+    native = create_runner(load_model(path, dtype="float32", device="cpu", attention_backend="torch"), 4, 8)
+    plain = create_runner(load_model(path, dtype="float32", device="cpu", cpu_kernels="torch"), 4, 8)
+    assert native.sampler.cpu_kernels is lib and plain.sampler.cpu_kernels is None
+    vocab = native.sampler.vocab_size
+    logits = randn(5, vocab + 7, dtype=torch.bfloat16, seed=21)
+    logits[:, vocab:] = 100.0
+    logits[2, [3, 40]] = float("nan")
+    greedy = [RequestSampling.create(common_pb2.SamplingParams(), [], []) for _ in range(5)]
+    expected = logits[:, :vocab].float().argmax(-1).tolist()
+    assert native.sampler(logits, greedy).token_ids == expected == plain.sampler(logits, greedy).token_ids
 
 
 @pytest.mark.parametrize("rows,width", [(3, 40), (5, 43), (64, 1536)])

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
-
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
-_PACK_ROWS_HINT = 64  # the row count MKL sizes its blocking for (tests: results do not depend on it)
+_PACK_ROWS_HINT = 64  # the row count MKL is told to expect (the packed size was the same for 1-2048)
 
 
 @functools.cache

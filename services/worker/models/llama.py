@@ -292,14 +292,16 @@ class LlamaForCausalLM(nn.Module):
             weight = module.weight if copy is None else copy
             return weight if module.packed is None and weight.dtype == torch.float32 else None
 
+        if self.embed_tokens.weight.device.type != "cpu":
+            return "the weights are not on the CPU"
         logits = self.logits_module
         linears = {m: float32_source(m, m.weight_f32) for m in self.modules() if isinstance(m, Linear)}
         linears = {m: w for m, w in linears.items() if w is not None}
         logits_source = None if logits in linears else float32_source(logits, self.logits_weight_f32)
         sources = [*linears.values(), *([] if logits_source is None else [logits_source])]
         total = sum(w.numel() * 4 for w in sources)
-        if not sources or self.embed_tokens.weight.device.type != "cpu":
-            return "no float32 weights on the CPU to pack"
+        if not sources:
+            return "no float32 weights to pack"
         if not mkl_gemm.available():
             return "torch has no MKL packed GEMM here"
         if total > limit:
