@@ -135,7 +135,7 @@ def main() -> None:
     vocab = loaded.args.vocab_size
     blocks = max(batches) * -(-(args.prompt_len + args.steps + 1) // BLOCK_SIZE)
     runner = create_runner(loaded, BLOCK_SIZE, blocks, seed=0)
-    native = loaded.model.cpu_decode
+    native = loaded.model.native_path
     graphs = None
     if cuda and loaded.attention_backend == "triton":  # as the worker does; eager measured too
         blocks_per_seq = -(-(args.prompt_len + args.steps + 1) // BLOCK_SIZE)
@@ -157,10 +157,10 @@ def main() -> None:
     samples: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
         for b in batches:
-            loaded.model.set_cpu_decode(native)
+            loaded.model.set_native_path(native)
             samples.setdefault(("kvgrid", b), []).append(kvgrid_decode(runner, b, args.prompt_len, args.steps, vocab))
             if native is not None:
-                loaded.model.set_cpu_decode(None)
+                loaded.model.set_native_path(None)
                 rate = kvgrid_decode(runner, b, args.prompt_len, args.steps, vocab)
                 samples.setdefault(("kvgrid_torch_path", b), []).append(rate)
             if graphs is not None:
@@ -170,7 +170,7 @@ def main() -> None:
                 runner.graphs = graphs
             if hf is not None:
                 samples.setdefault(("hf", b), []).append(hf_decode(hf, b, args.prompt_len, args.steps, vocab))
-    loaded.model.set_cpu_decode(native)
+    loaded.model.set_native_path(native)
     median = {key: statistics.median(values) for key, values in samples.items()}
 
     rows = []

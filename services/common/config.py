@@ -95,7 +95,7 @@ class DeviceConfig:
     )
     cpu_kernels: str = _opt(
         "auto",
-        "CPU decode steps through native C kernels (auto: where a C compiler and AVX2 are present)",
+        "CPU steps through native C kernels (auto: where a C compiler and AVX2 are present)",
         ("auto", "native", "torch"),
     )
     num_threads: int = _opt(0, "CPU threads for the worker's math (0: all cores)")

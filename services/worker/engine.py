@@ -14,7 +14,7 @@ import torch
 
 from .attention import get_backend
 from .cpu_features import detect as detect_cpu
-from .cpu_kernels.library import NativeKernelsUnavailable
+from .cpu_kernels.library import NativeKernelsUnavailable, attention_path
 from .cpu_kernels.library import load as load_native_kernels
 from .gguf_cache import cached_source
 from .kv_cache import allocate_kv_cache
@@ -22,7 +22,7 @@ from .loader import ModelLoadError, ModelSource, build_model, read_config, resol
 from .memory import MemoryFigures, bytes_per_block, check_fits, cpu_figures, cuda_figures, read_meminfo
 from .model_runner import ModelRunner, profile_cache_blocks
 from .models.llama import LlamaArgs, LlamaForCausalLM
-from .models.llama_cpu import CpuDecodePath
+from .models.llama_cpu import NativeCpuPath
 from .parallel.sharding import check_size, shard_args
 from .quant.install import packed_bytes
 from .sampling import Sampler
@@ -148,25 +148,29 @@ def check_quantization(quantization: str, source: ModelSource, device: torch.dev
 
 
 def attach_cpu_kernels(model: LlamaForCausalLM, choice: str, device: torch.device, backend: str) -> None:
-    """Decode steps through the native C kernels (``models.llama_cpu``) on CPU.
+    """Steps through the native C kernels (``models.llama_cpu``) on CPU.
 
     ``auto`` uses them where they build and apply (x86-64 with AVX2 and FMA, a C compiler,
     float32 or bfloat16, the torch attention backend) and otherwise says why in the log;
     ``native`` refuses to start without them; ``torch`` never uses them."""
-    model.set_cpu_decode(None)
+    model.set_native_path(None)
     if choice == "torch":
         return
     try:
         if device.type != "cpu" or backend != "torch":
             raise NativeKernelsUnavailable(f"they run on CPU with the torch attention backend, not {device}/{backend}")
-        model.set_cpu_decode(CpuDecodePath(model, load_native_kernels()))
+        model.set_native_path(NativeCpuPath(model, load_native_kernels()))
     except (NativeKernelsUnavailable, ValueError) as exc:
         if choice == "native":
             raise ModelLoadError(f"--cpu-kernels native: {exc}") from exc
         if device.type == "cpu":
-            log.info("decode steps run in torch: native CPU kernels unavailable (%s)", exc)
+            log.info("steps run in torch: native CPU kernels unavailable (%s)", exc)
         return
-    log.info("decode steps run on the native CPU kernels (paged attention over the block tables at any batch size)")
+    log.info(
+        "steps run on the native CPU kernels (decodes: paged attention over the block tables at any batch size,"
+        " %s vectors)",
+        attention_path().upper().replace("AVX512", "AVX-512"),
+    )
 
 
 def max_model_len(args: LlamaArgs, hf_config: Any, configured: int) -> int:
@@ -234,6 +238,6 @@ def create_runner(loaded: LoadedModel, block_size: int, num_blocks: int, seed: i
     kv_caches = allocate_kv_cache(
         a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim, loaded.dtype, loaded.device
     )
-    cpu_decode = loaded.model.cpu_decode
-    sampler = Sampler(a.vocab_size, loaded.device, seed, cpu_kernels=None if cpu_decode is None else cpu_decode.lib)
+    native_path = loaded.model.native_path
+    sampler = Sampler(a.vocab_size, loaded.device, seed, cpu_kernels=None if native_path is None else native_path.lib)
     return ModelRunner(loaded.model, kv_caches, block_size, sampler, loaded.device)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from kvgrid.v1 import common_pb2
 from services.worker.attention.base import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend
+from services.worker.cpu_features import cpu_flags
 from services.worker.cpu_kernels import library
 from services.worker.engine import create_runner, load_model
 from services.worker.loader import ModelLoadError
@@ -202,17 +203,36 @@ def decode_attention_case(lib, dt, code, seq_lens, heads, kv_heads, head_dim, qu
     return out, expected
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (16, 1, 16), (4, 4, 40), (40, 2, 36)])
-def test_decode_attention_equals_torch_backend(lib, dtype, heads, kv_heads, head_dim):
+@pytest.fixture(params=library.ATTENTION_PATHS)
+def attention_path(lib, request):
+    """Each vector width of paged decode attention this CPU has (AVX-512: head sizes 64 and 128)."""
+    if library.select_attention_path(request.param) != request.param:
+        library.select_attention_path(library.ATTENTION_PATHS[-1])
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    library.select_attention_path(library.ATTENTION_PATHS[-1])
+
+
+def test_attention_path_is_the_widest_the_cpu_has(lib):
+    widest = "avx512" if "avx512f" in cpu_flags() else "avx2"
+    assert library.select_attention_path("avx512") == widest
+    assert library.select_attention_path("avx2") == "avx2"
+    assert library.select_attention_path("avx512") == widest
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(9, 3, 64), (16, 1, 16), (4, 4, 40), (40, 2, 36), (8, 2, 128), (12, 12, 64)]
+)
+def test_decode_attention_equals_torch_backend(lib, dtype, attention_path, heads, kv_heads, head_dim):
     """Sequences shorter than one 128-token chunk of the kernel and one split over three, in one batch;
-    a head size that is no multiple of 8 and 20 query heads per KV head."""
+    a head size that is no multiple of 8, 20 query heads per KV head, and the head sizes AVX-512 takes."""
     dt, code = dtype
     out, expected = decode_attention_case(lib, dt, code, [1, 5, 300, 16, 33], heads, kv_heads, head_dim)
     torch.testing.assert_close(out, expected, **TOLERANCE[dt])
 
 
 @pytest.mark.parametrize("seq_lens", [[37], [1000], [200, 3], [9, 130, 1, 64]])
-def test_decode_attention_splits_short_batches_across_threads(lib, dtype, seq_lens):
+def test_decode_attention_splits_short_batches_across_threads(lib, dtype, attention_path, seq_lens):
     """With more threads than a few sequences' 128-token chunks, contexts split into chunks of 32 and up;
     scores spread wide (a sharp softmax) take the vectorized exp far from zero."""
     dt, code = dtype
@@ -233,7 +253,7 @@ def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, n
     dt, _ = dtype
     path = save_tiny_model(str(tmp_path), kind, **overrides)
     loaded = load_model(path, dtype=str(dt).removeprefix("torch."), device="cpu", attention_backend="torch")
-    native = loaded.model.cpu_decode
+    native = loaded.model.native_path
     assert native is not None, "auto should attach the native kernels on an AVX2 CPU with a C compiler"
     num_blocks = 6 * num_requests
     runner = create_runner(loaded, block_size=4, num_blocks=num_blocks)
@@ -244,7 +264,7 @@ def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, n
         request(f"r{i}", torch.randint(0, 160, (n,), generator=g).tolist(), blocks[i], 0, n)
         for i, n in enumerate(lengths)
     ]
-    loaded.model.set_cpu_decode(None)
+    loaded.model.set_native_path(None)
     run_logits(runner, requests)  # prefill on the torch path
     for _step in range(6):
         for r in requests:
@@ -252,9 +272,9 @@ def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, n
             r.num_scheduled_tokens = 1
         inputs = runner.prepare(requests)
         with torch.inference_mode():
-            loaded.model.set_cpu_decode(None)
+            loaded.model.set_native_path(None)
             expected = runner.compute_logits(inputs)
-            loaded.model.set_cpu_decode(native)  # rewrites the same cache slots with the same values
+            loaded.model.set_native_path(native)  # rewrites the same cache slots with the same values
             ours = runner.compute_logits(inputs)
         if num_requests <= NATIVE_ROWS and loaded.model.logits_gemm is None:  # the native GEMV's: model dtype
             assert ours.dtype == dt
@@ -266,37 +286,56 @@ def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, n
             r.num_scheduled_tokens = 0
 
 
-def test_mixed_step_decodes_take_native_attention(tmp_path):
-    """A step of decodes plus a prefill chunk: the decodes' attention reads the block tables natively."""
-    loaded = load_model(save_tiny_model(str(tmp_path)), dtype="float32", device="cpu", attention_backend="torch")
-    native = loaded.model.cpu_decode
-    runner = create_runner(loaded, block_size=4, num_blocks=40)
+def test_prefill_and_mixed_steps_equal_torch_path(tmp_path, dtype):
+    """Every step runs on the native kernels, attention aside: prompts in chunks, then a step of decodes,
+    a second chunk (queries after cached tokens) and a new prompt. The chunks attend through the
+    backend (SDPA), the decodes on the paged decode kernel; the native path writes the cache in its
+    rope kernel, never through the backend."""
+    dt, _ = dtype
+    loaded = load_model(
+        save_tiny_model(str(tmp_path)), dtype=str(dt).removeprefix("torch."), device="cpu", attention_backend="torch"
+    )
+    native = loaded.model.native_path
+    runner = create_runner(loaded, block_size=4, num_blocks=60)
     g = torch.Generator().manual_seed(13)
-    requests = [request(f"r{i}", torch.randint(0, 160, (5 + 3 * i,), generator=g).tolist(),
-                        list(range(i, 40, 4)), 0, 5 + 3 * i) for i in range(4)]  # fmt: skip
-    run_logits(runner, requests[:3])  # three prompts done; the fourth arrives with the next step
+    lengths = [5, 8, 11, 30, 14]
+    requests = [request(f"r{i}", torch.randint(0, 160, (n,), generator=g).tolist(), list(range(i, 60, 5)), 0, n)
+                for i, n in enumerate(lengths)]  # fmt: skip
+    requests[3].num_scheduled_tokens = 12  # the long prompt in two chunks
+    backend = loaded.model.layers[0].self_attn.backend
+    calls = []
+    backend.write_kv = lambda *args, write=backend.write_kv: calls.append("write_kv") or write(*args)
+
+    def step(batch, query_lens, decodes):
+        inputs = runner.prepare(batch)
+        assert inputs.meta.query_lens_cpu == query_lens
+        with torch.inference_mode():
+            loaded.model.set_native_path(None)
+            expected = runner.compute_logits(inputs)
+            calls.clear()
+            loaded.model.set_native_path(native)  # rewrites the same cache slots, rounded its own way
+            backend.native_decode = lambda *args: calls.append(args[4]) or native.attention(*args)
+            ours = runner.compute_logits(inputs)
+        assert calls == [decodes] * loaded.args.num_layers if decodes else calls == []
+        torch.testing.assert_close(ours.float(), expected.float(), **TOLERANCE[dt])
+        for r in batch:
+            r.num_computed_tokens += r.num_scheduled_tokens
+            r.num_scheduled_tokens = 0
+
+    step(requests[:4], [5, 8, 11, 12], decodes=0)  # prompts only
     for r in requests[:3]:
         r.token_ids.append(int(torch.randint(0, 160, (1,), generator=g)))
         r.num_scheduled_tokens = 1
-    inputs = runner.prepare(requests)
-    assert inputs.meta.query_lens_cpu == [1, 1, 1, 14]
-    calls = []
-    backend = loaded.model.layers[0].self_attn.backend
-    backend.native_decode = lambda *args: calls.append(args[4]) or native.attention(*args)
-    with torch.inference_mode():
-        ours = runner.compute_logits(inputs)
-        loaded.model.set_cpu_decode(None)
-        expected = runner.compute_logits(inputs)
-    assert calls == [3] * loaded.args.num_layers
-    torch.testing.assert_close(ours, expected, **TOLERANCE[torch.float32])
+    requests[3].num_scheduled_tokens = 18
+    step(requests, [1, 1, 1, 18, 14], decodes=3)  # three decodes, the long prompt's second chunk, a new prompt
 
 
 def test_engine_choice(tmp_path, monkeypatch, caplog):
     path = save_tiny_model(str(tmp_path / "m"))
-    assert load_model(path, dtype="float32", device="cpu", cpu_kernels="torch").model.cpu_decode is None
+    assert load_model(path, dtype="float32", device="cpu", cpu_kernels="torch").model.native_path is None
     # float16 is not a dtype the kernels take: auto says why and keeps torch, native refuses to start.
     with caplog.at_level(logging.INFO, logger="services.worker.engine"):
-        assert load_model(path, dtype="float16", device="cpu", cpu_kernels="auto").model.cpu_decode is None
+        assert load_model(path, dtype="float16", device="cpu", cpu_kernels="auto").model.native_path is None
     assert "native CPU kernels unavailable" in caplog.text and "float16" in caplog.text
     with pytest.raises(ModelLoadError, match="--cpu-kernels native: .*float16"):
         load_model(path, dtype="float16", device="cpu", cpu_kernels="native")
@@ -308,7 +347,7 @@ def test_engine_choice(tmp_path, monkeypatch, caplog):
     try:
         with pytest.raises(ModelLoadError, match="--cpu-kernels native: false failed to build decode_kernels.c"):
             load_model(path, dtype="float32", device="cpu", cpu_kernels="native")
-        assert load_model(path, dtype="float32", device="cpu", cpu_kernels="auto").model.cpu_decode is None
+        assert load_model(path, dtype="float32", device="cpu", cpu_kernels="auto").model.native_path is None
     finally:
         library.load.cache_clear()
 

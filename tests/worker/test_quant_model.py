@@ -25,7 +25,7 @@ def test_int8_decode_steps(tmp_path, monkeypatch, num_requests, int8_gemm):
 
 
 def test_int8_batch_one_takes_prepared_calls(tmp_path, monkeypatch):
-    """Batch 1 calls the kernel with arguments prepared once per weight (CpuDecodePath.packed_gemv):
+    """Batch 1 calls the kernel with arguments prepared once per weight (NativeCpuPath.packed_gemv):
     the same logits as the torch path over the same packed weights."""
     monkeypatch.setattr(matmul, "INT8_GEMM", False)  # the prepared calls read the tiled layout
     calls = {}
@@ -44,7 +44,7 @@ def decode_steps(tmp_path, num_requests: int, prepared: dict | None = None) -> l
     assert modules and all(m.packed is not None and m.packed.format == "int8" for m in modules)
     assert all(m.weight.numel() == 0 for m in modules)  # no float copy kept
     assert quantized.weights_bytes < dense.weights_bytes / 3
-    native = quantized.model.cpu_decode
+    native = quantized.model.native_path
     assert native is not None
     num_blocks = 6 * num_requests
     runners = [create_runner(m, block_size=4, num_blocks=num_blocks) for m in (quantized, dense)]
@@ -67,9 +67,9 @@ def decode_steps(tmp_path, num_requests: int, prepared: dict | None = None) -> l
             inputs = runner.prepare(requests)
             with torch.inference_mode():
                 if runner is runners[0]:
-                    quantized.model.set_cpu_decode(None)
+                    quantized.model.set_native_path(None)
                     torch_path = runner.compute_logits(inputs)
-                    quantized.model.set_cpu_decode(native)
+                    quantized.model.set_native_path(native)
                 logits.append(runner.compute_logits(inputs))
             for r in requests:
                 r.num_computed_tokens += 1

@@ -70,7 +70,7 @@ def test_greedy_float32_equals_transformers(core_fp32, reference, cpu_kernels):
     prompts = prompt_ids(tokenizer)
     assert len(prompts) >= 4 and max(len(p) for p in prompts) > 16
     core = core_fp32 if cpu_kernels == "native" else build_core(worker_config("float32", device__cpu_kernels="torch"))
-    assert (core.runner.model.cpu_decode is not None) == (cpu_kernels == "native")
+    assert (core.runner.model.native_path is not None) == (cpu_kernels == "native")
     # Prefill in chunks of 7 tokens: chunks that do not finish a prompt sample nothing.
     _, reqs = asyncio.run(_generate(worker_config("float32"), core, prompts, chunk=7))
     for prompt, req in zip(prompts, reqs, strict=True):
@@ -113,13 +113,13 @@ def test_min_tokens_bans_eos_until_reached(core_fp32, reference):
 def test_greedy_bfloat16_within_top5(reference):
     """Where bf16 rounding flips a near-tie, each side's token is in the other's top 5 (then they diverge).
 
-    Decode steps run on the native CPU kernels in bf16 here; prefill on the torch path."""
+    Every step runs on the native CPU kernels in bf16 here (prefill chunks attend through SDPA)."""
     model, tokenizer = reference
     hf_bf16 = copy.deepcopy(model).to(torch.bfloat16)  # the module's fp32 reference stays as it is
     prompts = prompt_ids(tokenizer)
     config = worker_config("bfloat16")
     core = build_core(config)
-    assert core.handshake.dtype == "bfloat16" and core.runner.model.cpu_decode is not None
+    assert core.handshake.dtype == "bfloat16" and core.runner.model.native_path is not None
     sampling = common_pb2.SamplingParams(logprobs=5)
     _, reqs = asyncio.run(_generate(config, core, prompts, chunk=64, sampling=sampling))
     for prompt, req in zip(prompts, reqs, strict=True):
@@ -153,7 +153,7 @@ def test_quantized_greedy_within_float32_top5(reference, monkeypatch, quantizati
     prompts = prompt_ids(tokenizer)
     config = worker_config("float32", load__quantization=quantization)
     core = build_core(config)
-    assert core.runner.model.cpu_decode is not None
+    assert core.runner.model.native_path is not None
     assert core.handshake.dtype == "float32" and core.runner.model.layers[0].mlp.down_proj.packed is not None
     _, reqs = asyncio.run(_generate(config, core, prompts, chunk=7))
     ranks = [

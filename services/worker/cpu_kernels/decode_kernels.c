@@ -359,6 +359,32 @@ INLINE void prefetch_span(const void *cache, const int32_t *table, int t, int t1
 }
 
 /*
+ * Per head h, the chunk's n scores (scores + h * CHUNK) become exp(score - max), the rest of the last
+ * span 0; part[h * (D + 2)] gets the max and part[h * (D + 2) + 1] the sum of the exps.
+ */
+INLINE void softmax_chunk(float *scores, int n, int H, int D, float *part) {
+    const int n8 = n / 8 * 8;
+    for (int h = 0; h < H; h++) {
+        float *s = scores + h * CHUNK;
+        __m256 top8 = _mm256_set1_ps(-INFINITY);
+        for (int i = 0; i < n8; i += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + i));
+        float top = hmax8(top8);
+        for (int i = n8; i < n; i++) top = s[i] > top ? s[i] : top;
+        top8 = _mm256_set1_ps(top);
+        __m256 sum8 = _mm256_setzero_ps();
+        for (int i = 0; i < n8; i += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), top8));
+            _mm256_storeu_ps(s + i, e);
+            sum8 = _mm256_add_ps(sum8, e);
+        }
+        float sum = hsum8(sum8);
+        for (int i = n8; i < n; i++) sum += (s[i] = exp1(s[i] - top));
+        for (int i = n; i % SPAN; i++) s[i] = 0.0f;  /* the last span's missing tokens weigh nothing */
+        part[(int64_t)h * (D + 2)] = top, part[(int64_t)h * (D + 2) + 1] = sum;
+    }
+}
+
+/*
  * Tokens [t0, t1) of one sequence for all H query heads: writes, per head h,
  * part[h] = (max score, sum of exp(score - max), sum of exp(score - max) * v[0:D]).
  * The cache holds a token's keys for all KV heads in one row of KV * D, so a task reads whole
@@ -370,7 +396,7 @@ INLINE void prefetch_span(const void *cache, const int32_t *table, int t, int t1
 INLINE void attention_chunk(const float *qf, const void *k_cache, const void *v_cache, const int32_t *table,
                             int t0, int t1, int H, int KV, int D, int block_size, float scale, float *scores,
                             float *part, int dt) {
-    const int n = t1 - t0, n8 = n / 8 * 8, d8 = D / 8 * 8, G = H / KV;
+    const int n = t1 - t0, d8 = D / 8 * 8, G = H / KV;
     const int64_t row = (int64_t)KV * D;
     const int es = dt == BF16 ? 2 : 4;
     int64_t rows[SPAN];
@@ -399,26 +425,8 @@ INLINE void attention_chunk(const float *qf, const void *k_cache, const void *v_
         }
     }
     for (int a = 0; a < AHEAD; a++) prefetch_span(v_cache, table, t0 + a * SPAN, t1, block_size, row, es);
-    for (int h = 0; h < H; h++) {
-        float *s = scores + h * CHUNK;
-        __m256 top8 = _mm256_set1_ps(-INFINITY);
-        for (int i = 0; i < n8; i += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + i));
-        float top = hmax8(top8);
-        for (int i = n8; i < n; i++) top = s[i] > top ? s[i] : top;
-        top8 = _mm256_set1_ps(top);
-        __m256 sum8 = _mm256_setzero_ps();
-        for (int i = 0; i < n8; i += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), top8));
-            _mm256_storeu_ps(s + i, e);
-            sum8 = _mm256_add_ps(sum8, e);
-        }
-        float sum = hsum8(sum8);
-        for (int i = n8; i < n; i++) sum += (s[i] = exp1(s[i] - top));
-        for (int i = n; i % SPAN; i++) s[i] = 0.0f;  /* the last span's missing tokens weigh nothing */
-        float *out = part + (int64_t)h * (D + 2);
-        out[0] = top, out[1] = sum;
-        memset(out + 2, 0, sizeof(float) * D);
-    }
+    softmax_chunk(scores, n, H, D, part);
+    for (int h = 0; h < H; h++) memset(part + (int64_t)h * (D + 2) + 2, 0, sizeof(float) * D);
     for (int t = t0; t < t1; t += SPAN) {
         const int span = t1 - t < SPAN ? t1 - t : SPAN;
         prefetch_span(v_cache, table, t + AHEAD * SPAN, t1, block_size, row, es);
@@ -440,6 +448,104 @@ INLINE void attention_chunk(const float *qf, const void *k_cache, const void *v_
     }
 }
 
+
+/*
+ * The same chunk with 16-float vectors (AVX-512F), for D = 16 * NC (head sizes 64 and 128);
+ * kvg_decode_attention takes it where the CPU has AVX-512 (kvg_select_attention_path). Keys: a
+ * query chunk of 16 against SPAN keys, the 16 lanes folded to 8 before hsum8x8. Values: per head,
+ * the output's NC vectors stay in registers over the chunk's tokens (one load and one multiply-add
+ * per vector and token, no loads and stores of the output between spans); the G heads of a KV
+ * head read its values from L1 after the first. Values are summed in token order, as above; the
+ * scores differ from the AVX2 chunk's in the order of their partial sums only. Cold 64 x 400
+ * cache on 2 cores: 1.16x the AVX2 chunk (16.5 -> 19.2 GB/s; a plain read of the same rows: 25.7).
+ */
+#define AVX512_TARGET "avx2,fma,avx512f"
+#define AVX512_FN __attribute__((target(AVX512_TARGET), always_inline)) static inline
+
+AVX512_FN __m512 load16(const void *p, int64_t i, int dt) {
+    if (dt == BF16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+AVX512_FN __m256 fold16(__m512 v) {  /* lanes i + (i + 8) */
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+AVX512_FN void attention_chunk16(const float *qf, const void *k_cache, const void *v_cache, const int32_t *table,
+                                 int t0, int t1, int H, int KV, const int NC, int block_size, float scale,
+                                 float *scores, float *part, int dt) {
+    const int D = 16 * NC, n = t1 - t0, G = H / KV;
+    const int64_t row = (int64_t)KV * D;
+    const int es = dt == BF16 ? 2 : 4;
+    int64_t rows[SPAN];
+    for (int a = 0; a < AHEAD; a++) prefetch_span(k_cache, table, t0 + a * SPAN, t1, block_size, row, es);
+    for (int t = t0; t < t1; t += SPAN) {
+        const int span = t1 - t < SPAN ? t1 - t : SPAN;
+        prefetch_span(k_cache, table, t + AHEAD * SPAN, t1, block_size, row, es);
+        span_rows(table, t, t1, block_size, row, rows);
+        for (int h = 0; h < H; h++) {
+            const float *qh = qf + (int64_t)h * D;
+            const int64_t head = (int64_t)(h / G) * D;
+            __m512 acc[SPAN];
+            for (int i = 0; i < SPAN; i++) acc[i] = _mm512_setzero_ps();
+            for (int c = 0; c < NC; c++) {
+                const __m512 qv = _mm512_loadu_ps(qh + 16 * c);
+                for (int i = 0; i < SPAN; i++)
+                    acc[i] = _mm512_fmadd_ps(qv, load16(k_cache, rows[i] + head + 16 * c, dt), acc[i]);
+            }
+            __m256 folded[SPAN];
+            for (int i = 0; i < SPAN; i++) folded[i] = fold16(acc[i]);
+            float sums[SPAN];
+            _mm256_storeu_ps(sums, hsum8x8(folded));
+            for (int i = 0; i < span; i++) scores[h * CHUNK + (t - t0) + i] = sums[i] * scale;
+        }
+    }
+    softmax_chunk(scores, n, H, D, part);
+    for (int h = 0; h < H; h++) {
+        const int64_t head = (int64_t)(h / G) * D;
+        const float *p = scores + h * CHUNK;
+        __m512 o[NC];
+        for (int c = 0; c < NC; c++) o[c] = _mm512_setzero_ps();
+        int block = t0 / block_size, offset = t0 % block_size;
+        for (int t = 0; t < n; t++) {
+            const int64_t at = ((int64_t)table[block] * block_size + offset) * row + head;
+            const __m512 w = _mm512_set1_ps(p[t]);
+            for (int c = 0; c < NC; c++) o[c] = _mm512_fmadd_ps(w, load16(v_cache, at + 16 * c, dt), o[c]);
+            if (++offset == block_size) offset = 0, block++;
+        }
+        float *out = part + (int64_t)h * (D + 2) + 2;
+        for (int c = 0; c < NC; c++) _mm512_storeu_ps(out + 16 * c, o[c]);
+    }
+}
+
+__attribute__((target(AVX512_TARGET))) static void attention_chunk_avx512(
+    const float *qf, const void *k_cache, const void *v_cache, const int32_t *table, int t0, int t1, int H, int KV,
+    int D, int block_size, float scale, float *scores, float *part, int dt) {
+#define CHUNK16(NC, DT) \
+    attention_chunk16(qf, k_cache, v_cache, table, t0, t1, H, KV, NC, block_size, scale, scores, part, DT)
+    if (dt == BF16 && D == 64) CHUNK16(4, BF16);
+    else if (dt == BF16) CHUNK16(8, BF16);
+    else if (D == 64) CHUNK16(4, F32);
+    else CHUNK16(8, F32);
+#undef CHUNK16
+}
+
+enum { ATTENTION_AVX2 = 0, ATTENTION_AVX512 = 1 };
+static int attention_path = -1; /* -1: not decided yet */
+
+/* The fastest attention path this CPU runs, at most want (tests force the AVX2 one). */
+int kvg_select_attention_path(int want) {
+    __builtin_cpu_init();
+    const int best = __builtin_cpu_supports("avx512f") ? ATTENTION_AVX512 : ATTENTION_AVX2;
+    attention_path = want < best ? ATTENTION_AVX2 : best;
+    return attention_path;
+}
+
+/* The attention path in use: the fastest this CPU runs, unless a test chose another. */
+int kvg_attention_path(void) { return attention_path < 0 ? kvg_select_attention_path(ATTENTION_AVX512) : attention_path; }
 /*
  * One new query token per sequence over its paged cache (decode).
  * q: [B, H, D] (row stride ldq), caches: [num_blocks, block_size, KV, D], block_tables: [B, ldt] int32,
@@ -452,6 +558,7 @@ INLINE void attention_chunk(const float *qf, const void *k_cache, const void *v_
 void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache,
                           const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, void *out, int64_t ldo,
                           int B, int H, int KV, int D, int block_size, float scale, int dt) {
+    if (attention_path < 0) kvg_select_attention_path(ATTENTION_AVX512);
     int max_len = 0;
     for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     int chunk = CHUNK;
@@ -478,7 +585,9 @@ void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const
             }
             to_f32(q, b * ldq, qf, (int64_t)H * D, dt);
             const int32_t *table = block_tables + b * ldt;
-            if (dt == BF16)
+            if (attention_path == ATTENTION_AVX512 && (D == 64 || D == 128))
+                attention_chunk_avx512(qf, k_cache, v_cache, table, t0, t1, H, KV, D, block_size, scale, scores, part, dt);
+            else if (dt == BF16)
                 attention_chunk(qf, k_cache, v_cache, table, t0, t1, H, KV, D, block_size, scale, scores, part, BF16);
             else
                 attention_chunk(qf, k_cache, v_cache, table, t0, t1, H, KV, D, block_size, scale, scores, part, F32);
@@ -505,3 +614,4 @@ void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const
     }
     free(parts);
 }
+

@@ -1,8 +1,9 @@
 """Builds the native CPU kernels once per source version, and loads them with ctypes.
 
 Two shared libraries, each from its C file (plus the shared ``scalar.h``):
-- ``decode_kernels.c``: the float32/bfloat16 decode-step kernels, compiled for AVX2 and FMA;
-  ``load`` raises ``NativeKernelsUnavailable`` on CPUs without them.
+- ``decode_kernels.c``: the float32/bfloat16 step kernels, compiled for AVX2 and FMA (paged
+  attention also with AVX-512, chosen at run time: ``ATTENTION_PATHS``); ``load`` raises
+  ``NativeKernelsUnavailable`` on CPUs without AVX2 and FMA.
 - ``quant_kernels.c``: the quantized linear (``--quantization``), compiled for any x86-64 or
   other CPU, with AVX-512 VNNI and AVX2 inner loops chosen at run time (per-function target
   attributes); ``load_quant``, ``QUANT_PATHS``.
@@ -36,6 +37,8 @@ SOURCE = HERE / "decode_kernels.c"
 COMMON = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC")
 FLAGS = (*COMMON, "-mavx2", "-mfma")
 DTYPE_CODES = {"float32": 0, "bfloat16": 1}  # see scalar.h
+# Paged decode attention's vector widths, slowest first (kvg_select_attention_path's codes, decode_kernels.c).
+ATTENTION_PATHS = ("avx2", "avx512")
 # The quantized linear's dot products, slowest first (kvq_select_path's codes, see quant_kernels.c).
 QUANT_PATHS = ("scalar", "avx2", "avx512-vnni")
 
@@ -149,7 +152,22 @@ def load() -> ctypes.CDLL:
     missing = {"avx2", "fma"} - cpu_flags()
     if missing:
         raise NativeKernelsUnavailable(f"this CPU lacks {', '.join(sorted(missing))}")
-    return _open(DECODE)
+    lib = _open(DECODE)
+    lib.kvg_select_attention_path.argtypes, lib.kvg_select_attention_path.restype = (c_int,), c_int
+    lib.kvg_attention_path.argtypes, lib.kvg_attention_path.restype = (), c_int
+    lib.kvg_select_attention_path(len(ATTENTION_PATHS) - 1)
+    return lib
+
+
+def attention_path() -> str:
+    """The paged attention path in use (of ATTENTION_PATHS)."""
+    return ATTENTION_PATHS[load().kvg_attention_path()]
+
+
+def select_attention_path(name: str) -> str:
+    """Use paged decode attention's ``name`` path (of ATTENTION_PATHS), or the fastest below it this CPU
+    has (tests force each one); returns the path now in use."""
+    return ATTENTION_PATHS[load().kvg_select_attention_path(ATTENTION_PATHS.index(name))]
 
 
 @functools.cache

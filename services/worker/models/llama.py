@@ -28,7 +28,7 @@ from ..quant.matmul import packed_embedding, packed_linear
 from .rope import apply_rotary, cos_sin_tables
 
 if TYPE_CHECKING:
-    from .llama_cpu import CpuDecodePath
+    from .llama_cpu import NativeCpuPath
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 FLOAT32_COPY_LIMIT = 2**30  # bytes of float32 weight copies set_upcast_matmuls may keep
@@ -224,12 +224,12 @@ class LlamaForCausalLM(nn.Module):
         self.logits_weight_f32: torch.Tensor | None = None  # float32 copy of the logits weight, see set_upcast_matmuls
         self.logits_gemm: PackedGemm | None = None  # the logits weight packed for MKL, see set_packed_gemms
         self.sin: torch.Tensor | None = None
-        # Decode-only steps on CPU through the native kernels (see llama_cpu.py); set by the engine.
-        self.cpu_decode: CpuDecodePath | None = None
+        # Every step on CPU through the native kernels (see llama_cpu.py); set by the engine.
+        self.native_path: NativeCpuPath | None = None
 
-    def set_cpu_decode(self, path: CpuDecodePath | None) -> None:
-        """Decode-only steps, and the decodes of mixed steps' attention, on the native kernels (None: torch)."""
-        self.cpu_decode = path
+    def set_native_path(self, path: NativeCpuPath | None) -> None:
+        """Every step on the native kernels, decodes' attention included, even in mixed steps (None: torch)."""
+        self.native_path = path
         self.layers[0].self_attn.backend.native_decode = None if path is None else path.attention  # shared backend
 
     def init_rope(self) -> None:
@@ -245,8 +245,8 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (k, v) pair per layer
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, E] hidden states before the final norm
-        if self.cpu_decode is not None and self.cpu_decode.takes(meta):
-            return self.cpu_decode.forward(input_ids, positions, kv_caches, meta)
+        if self.native_path is not None:
+            return self.native_path.forward(input_ids, positions, kv_caches, meta)
         x = self.embed_tokens.forward(input_ids)
         cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
         sin = self.sin.index_select(0, positions).unsqueeze(1)
@@ -262,8 +262,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, E] -> [R, vocab]
         """Only the rows that sample: the final norm is per row, so it runs after the selection."""
-        if self.cpu_decode is not None:
-            return self.cpu_decode.logits(hidden)
+        if self.native_path is not None:
+            return self.native_path.logits(hidden)
         normed, _ = self.norm(hidden)
         module = self.logits_module
         if module.packed is not None:

@@ -1,15 +1,18 @@
-"""The Llama decode step on the native CPU kernels, for decode-only steps of any size.
+"""The Llama forward pass on the native CPU kernels, for every step: decodes, prefill chunks, both.
 
 At batch 1 a decode step on a CPU is ~120 matrix-vector products plus ~20 small ops per
 layer. torch's bfloat16 matrix-vector product reaches about half the memory bandwidth here,
 and each small eager op costs 2-20 us of dispatch; ``cpu_kernels/decode_kernels.c`` streams
 the weights at close to bandwidth and does each small op in one call, 9 calls per layer.
-Norms, rotary embedding, the cache write and paged attention over the block tables always run
-here. Matmuls pick their kernel by row count: float weights take the native GEMV for one row and
-MKL's GEMM on weights packed at load above (``Linear.gemm``: 1.1x the GEMV at 2 rows, 1.4x at 12);
-without those, the native GEMV up to ``NATIVE_ROWS`` rows and torch's GEMM above (compute-bound
-there, where MKL is faster); packed weights (``--quantization``) take ``quant.matmul``. Same
-weights, same KV cache, same numerics op for op (see the C files).
+Norms, rotary embedding and the cache write always run here, and so does paged attention over
+the block tables for decodes; prefill chunks attend through the attention backend (SDPA). In a
+2048-token prefill chunk the small ops in torch and the copies between them were ~15% of the
+step (the native ones: ~3%). Matmuls pick their kernel by row count: float weights take the
+native GEMV for one row and MKL's GEMM on weights packed at load above (``Linear.gemm``, written
+straight into this path's buffers: 1.1x the GEMV at 2 rows, 1.4x at 12); without those, the
+native GEMV up to ``NATIVE_ROWS`` rows and torch's GEMM above (compute-bound there, where MKL is
+faster); packed weights (``--quantization``) take ``quant.matmul``. Same weights, same KV cache,
+same numerics op for op (see the C files).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-class CpuDecodePath:
+class NativeCpuPath:
     """Holds the model's own modules (no weight copies); valid while the model keeps its parameters."""
 
     def __init__(self, model, lib: ctypes.CDLL, native_rows: int = NATIVE_ROWS):
@@ -56,20 +59,25 @@ class CpuDecodePath:
         self.qkv_width = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
         self.eps = a.rms_norm_eps
         self.scale = a.head_dim**-0.5
-        self._scratch: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._scratch: tuple[torch.Tensor, ...] = ()
+        self._scratch_rows = 0
+        self._spare = torch.empty(0, dtype=self.dtype)
         self._packed_calls: dict[torch.nn.Module, tuple] = {}
 
-    def takes(self, meta: AttentionMetadata) -> bool:
-        return meta.is_decode_only
-
     def scratch(self, rows: int) -> tuple[torch.Tensor, ...]:
-        """Per-step intermediates (normed, qkv, attention out, gate_up, activation), kept per row count."""
-        buffers = self._scratch.get(rows)
-        if buffers is None:
+        """Per-step intermediates (normed, qkv, attention out, gate_up, activation): the first ``rows`` rows
+        of buffers kept at the largest step seen (a prefill chunk's rows change every step)."""
+        if self._scratch_rows < rows:
             shapes = (self.hidden, self.qkv_width, self.heads * self.head_dim, 2 * self.intermediate, self.intermediate)
-            buffers = tuple(torch.empty(rows, n, dtype=self.dtype) for n in shapes)
-            self._scratch[rows] = buffers
-        return buffers
+            self._scratch = tuple(torch.empty(rows, n, dtype=self.dtype) for n in shapes)
+            self._scratch_rows = rows
+        return tuple(buffer[:rows] for buffer in self._scratch)
+
+    def spare(self, rows: int, width: int) -> torch.Tensor:
+        """A [rows, width] buffer for a product on its way into the residual stream (kept at the largest size)."""
+        if self._spare.numel() < rows * width:
+            self._spare = torch.empty(rows * width, dtype=self.dtype)
+        return self._spare[: rows * width].view(rows, width)
 
     def linear(self, module, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
         """out (+)= module(x), out's rows possibly strided: the kernel for this row count and weight."""
@@ -85,6 +93,16 @@ class CpuDecodePath:
                 x.data_ptr(), module.weight.data_ptr(), _ptr(module.bias), out.data_ptr(), out.stride(0), rows, n, k,
                 self.code, int(accumulate),
             )  # fmt: skip
+            return
+        if module.gemm is not None and out.dtype == torch.float32:  # MKL's packed GEMM, no allocation
+            # Accumulating, the product is rounded before the add (as torch's path): MKL's own
+            # accumulation into out rounds differently in ~40% of the elements.
+            product = self.spare(rows, module.gemm.n) if accumulate else out
+            if module.bias is not None:  # as addmm: the bias first, then += x W^T
+                product.copy_(module.bias.expand_as(product))
+            module.gemm.into(x, product, accumulate=module.bias is not None)
+            if accumulate:
+                out.add_(product)
             return
         product = module.forward(x)  # a GEMM: torch's (bf16 weights upcast, packed ones dequantized per call)
         out.add_(product) if accumulate else out.copy_(product)
@@ -108,12 +126,16 @@ class CpuDecodePath:
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # [B] int64, one token per request
-        positions: torch.Tensor,  # [B] int64
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [B, E] hidden states before the final norm
+    ) -> torch.Tensor:  # [T, E] hidden states before the final norm
+        """Any step. Only attention tells the kinds apart: a decode-only step calls the paged kernel
+        itself; a step with prefill chunks goes through the attention backend (SDPA per chunk, its
+        decodes on the same paged kernel through ``attention``)."""
         lib, dt = self.lib, self.code
+        backend = None if meta.is_decode_only else self.model.layers[0].self_attn.backend
         lib.kvg_set_num_threads(torch.get_num_threads())
         rows = input_ids.shape[0]
         if self.model.logits_module.packed is not None:  # --quantization: packed_gemv's threads
@@ -133,10 +155,15 @@ class CpuDecodePath:
             lib.kvg_rms_norm(h, layer.input_layernorm.weight.data_ptr(), n, rows, E, self.eps, dt)
             self.linear(attention.qkv_proj, normed, qkv)
             lib.kvg_rope_write_kv(q, width, cos, sin, pos, slots, kc, vc, rows, H, KV, D, dt)
-            lib.kvg_decode_attention(
-                q, width, kc, vc, tables, table_width, lens, o, H * D, rows, H, KV, D, block_size, self.scale, dt
-            )
-            self.linear(attention.o_proj, attn, hidden, accumulate=True)
+            if backend is None:
+                lib.kvg_decode_attention(
+                    q, width, kc, vc, tables, table_width, lens, o, H * D, rows, H, KV, D, block_size, self.scale, dt
+                )
+                out = attn
+            else:  # the query rows sit in qkv, rotated in place
+                out = backend.forward(qkv[:, : H * D].view(rows, H, D), k_cache, v_cache, meta, self.scale)
+                out = out.reshape(rows, H * D)
+            self.linear(attention.o_proj, out, hidden, accumulate=True)
             lib.kvg_rms_norm(h, layer.post_attention_layernorm.weight.data_ptr(), n, rows, E, self.eps, dt)
             self.linear(mlp.gate_up_proj, normed, gate_up)
             lib.kvg_silu_mul(gu, ac, rows, I, dt)
