@@ -168,8 +168,8 @@ def attach_cpu_kernels(model: LlamaForCausalLM, choice: str, device: torch.devic
         return
     log.info(
         "steps run on the native CPU kernels (decodes: paged attention over the block tables at any batch size,"
-        " %s vectors)",
-        attention_path().upper().replace("AVX512", "AVX-512"),
+        " on its %s path)",
+        attention_path(),
     )
 
 

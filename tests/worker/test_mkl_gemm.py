@@ -25,6 +25,24 @@ def test_packed_gemm_equals_linear(n, k, rows, bias):
     assert b is None or torch.equal(b, bias_before)  # the bias seeds the output, not the other way round
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_gemm_writes_into_strided_rows(bias):
+    """into: the product (plus bias) lands in the given rows and leaves the columns around them alone;
+    an output of the wrong shape or dtype is refused."""
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(24, 40, generator=g), torch.randn(7, 40, generator=g)
+    b = torch.randn(24, generator=g) if bias else None
+    gemm = mkl_gemm.PackedGemm(w)
+    wide = torch.full((7, 30), 3.0)
+    gemm.into(x, wide[:, 2:26], b)
+    torch.testing.assert_close(wide[:, 2:26], F.linear(x, w, b), atol=2e-5, rtol=2e-5)
+    assert torch.equal(wide[:, :2], torch.full((7, 2), 3.0)) and torch.equal(wide[:, 26:], torch.full((7, 4), 3.0))
+    with pytest.raises(ValueError, match="float32"):
+        gemm.into(x, torch.empty(7, 24, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"\[7, 24\]"):
+        gemm.into(x, torch.empty(6, 24))
+
+
 def test_packed_gemm_takes_float32_matrices_only():
     with pytest.raises(ValueError, match="float32"):
         mkl_gemm.PackedGemm(torch.zeros(4, 4, dtype=torch.bfloat16))

@@ -69,17 +69,17 @@ class PackedGemm:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # [M, K] -> [M, N]
         out = torch.empty(x.shape[0], self.n, dtype=torch.float32)
-        if bias is not None:  # as addmm: C starts as the bias, then C += x W^T
-            out.copy_(bias.expand_as(out))
-        self.into(x, out, accumulate=bias is not None)
+        self.into(x, out, bias)
         return out
 
-    def into(self, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
-        """out (+)= x W^T: x [M, K], out [M, N] float32 with unit column stride (rows may be strided)."""
+    def into(self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """out = x W^T (+ bias): x [M, K], out [M, N] float32 with unit column stride (rows may be strided)."""
         x = x.contiguous()
         if out.dtype != torch.float32 or out.shape != (x.shape[0], self.n) or out.stride(1) != 1:
             raise ValueError(f"the output must be a float32 [{x.shape[0]}, {self.n}] matrix with unit column stride")
+        if bias is not None:  # as addmm: C starts as the bias, then C += x W^T
+            out.copy_(bias.expand_as(out))
         self.lib.cblas_sgemm_compute(
             _ROW_MAJOR, _NO_TRANS, _PACKED, x.shape[0], self.n, self.k, x.data_ptr(), self.k, self.buffer.data_ptr(),
-            self.n, 1.0 if accumulate else 0.0, out.data_ptr(), out.stride(0),
+            self.n, 0.0 if bias is None else 1.0, out.data_ptr(), out.stride(0),
         )  # fmt: skip

@@ -60,17 +60,15 @@ class NativeCpuPath:
         self.eps = a.rms_norm_eps
         self.scale = a.head_dim**-0.5
         self._scratch: tuple[torch.Tensor, ...] = ()
-        self._scratch_rows = 0
         self._spare = torch.empty(0, dtype=self.dtype)
         self._packed_calls: dict[torch.nn.Module, tuple] = {}
 
     def scratch(self, rows: int) -> tuple[torch.Tensor, ...]:
         """Per-step intermediates (normed, qkv, attention out, gate_up, activation): the first ``rows`` rows
         of buffers kept at the largest step seen (a prefill chunk's rows change every step)."""
-        if self._scratch_rows < rows:
+        if not self._scratch or self._scratch[0].shape[0] < rows:
             shapes = (self.hidden, self.qkv_width, self.heads * self.head_dim, 2 * self.intermediate, self.intermediate)
             self._scratch = tuple(torch.empty(rows, n, dtype=self.dtype) for n in shapes)
-            self._scratch_rows = rows
         return tuple(buffer[:rows] for buffer in self._scratch)
 
     def spare(self, rows: int, width: int) -> torch.Tensor:
@@ -98,9 +96,7 @@ class NativeCpuPath:
             # Accumulating, the product is rounded before the add (as torch's path): MKL's own
             # accumulation into out rounds differently in ~40% of the elements.
             product = self.spare(rows, module.gemm.n) if accumulate else out
-            if module.bias is not None:  # as addmm: the bias first, then += x W^T
-                product.copy_(module.bias.expand_as(product))
-            module.gemm.into(x, product, accumulate=module.bias is not None)
+            module.gemm.into(x, product, module.bias)
             if accumulate:
                 out.add_(product)
             return
