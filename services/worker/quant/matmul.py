@@ -1,15 +1,18 @@
 """Products with packed weights: an int8 GEMM, the native quantized linear, or torch over weights
 dequantized per call.
 
-- int8 weights on CPUs with integer dot-product units (VNNI, AMX-INT8): each row of x is quantized
-  to int8 with one scale per row and oneDNN's int8 GEMM (``torch._int_mm``) multiplies it with the
-  weight as stored, row by row ([N, K], read transposed), at any row count. The int32 sums are
-  scaled by the row's and the channel's scales. Whole decode steps of the default model on an
-  AVX-512 VNNI CPU, one thread, against the native kernel: 1.5x at batch 1, 2.6x at 64 (2.0x the
-  float32 model). Without those units (AVX2 only; oneDNN capped at AVX2 to measure) the GEMM
-  emulates them: 0.36x the native kernel at batch 1, 1.5x at 64, so there int8 keeps to the native
-  kernel like the GGUF formats (taking the GEMM for large steps would need a second copy of the
-  weights in the other layout).
+- int8 weights on CPUs with AMX-INT8 tiles: each row of x is quantized to int8 in two terms (the
+  row with one scale, then what that rounding lost, the same way: one scale per row alone lost 6 of
+  100 top-1 tokens against float32 to the inputs' outlier channels, the second term costs ~30% of
+  a batch-64 step) and oneDNN's int8 GEMM (``torch._int_mm``) multiplies both with the weight as
+  stored, row by row ([N, K], read transposed), at any row count. The int32 sums are scaled by the
+  row's and the channel's scales. Whole decode steps of the default model on a Xeon with AMX, one
+  thread, against the native kernel: 1.5x at batch 1, 2.6x at 64 (one term; 2.0x the float32 model).
+  With VNNI but no AMX (an AVX-512 VNNI EPYC, 2 threads) the native kernel is faster at batch 1 (2x)
+  and close at 64 (the GEMM 1.17x with two terms), and on AVX2 alone oneDNN emulates the dot
+  products (0.36x the native kernel at batch 1, 1.5x at 64): there int8 keeps to the native kernel
+  like the GGUF formats (taking the GEMM for large steps would need a second copy of the weights in
+  the other layout). ``CpuFeatures.int8_gemm`` decides.
 - ``quant_kernels.c`` does y = x W^T with integer dot products over the packed bytes in their tiled
   layout (``formats.tile``: models tile their weights once at load, ``kernel_layout``; an untiled
   weight is tiled per call here), x quantized per block of 32 as ggml does.
@@ -34,14 +37,8 @@ from .formats import FORMAT_CODES, PackedWeight, dequantize, reference_int8_gemm
 DEQUANTIZE_ROWS = 100
 
 
-def int8_gemm_is_fast() -> bool:
-    """Whether int8 weights take oneDNN's int8 GEMM here: the CPU has integer dot-product units."""
-    cpu = detect()
-    return cpu.vnni or cpu.amx_int8
-
-
-# Set once per process from the CPU; tests switch it to run either path on any CPU.
-INT8_GEMM = int8_gemm_is_fast()
+# Set once per process from the CPU (``CpuFeatures.int8_gemm``); tests switch it to run either path on any CPU.
+INT8_GEMM = detect().int8_gemm
 
 
 def kernel_layout(packed: PackedWeight) -> PackedWeight:
@@ -61,8 +58,8 @@ def int8_gemm_into(
     accumulate: bool = False,
 ) -> None:
     """out[:, :N] (+)= x W^T + bias for int8 W: x quantized per row (scale max |x| / 127), int32
-    sums from oneDNN's int8 GEMM, then both scales; with ``activation_terms`` 2 the rounding error
-    of x takes a second pass (``formats.reference_int8_gemm``)."""
+    sums from oneDNN's int8 GEMM, then both scales; with ``activation_terms`` 2 (as models install
+    them) the rounding error of x takes a second pass (``formats.reference_int8_gemm``)."""
     lib = _native()
     if lib is None or x.dtype not in (torch.float32, torch.bfloat16):  # the C ends take these two
         product = reference_int8_gemm(x.float(), packed, None if bias is None else bias.float(), torch._int_mm)
