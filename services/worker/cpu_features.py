@@ -45,11 +45,12 @@ class CpuFeatures:
         return "amx_int8" in self.flags
 
     @property
-    def int8_gemm(self) -> bool:
-        """Whether int8 weights take oneDNN's int8 GEMM (``quant.matmul``) rather than the native kernels:
-        with AMX-INT8 tiles. On VNNI alone (an AVX-512 VNNI EPYC, 2 threads, whole decode steps) the
-        native kernel measured 2x the GEMM at batch 1 and 0.85x at 64 (the GEMM with its two activation terms)."""
-        return self.amx_int8
+    def int8_gemm_rows(self) -> int | None:
+        """Rows from which int8 products take oneDNN's int8 GEMM rather than the native kernel (None:
+        never); see ``quant.matmul`` for the measurements."""
+        if self.amx_int8:
+            return 1
+        return 24 if self.avx512_vnni else None
 
     @property
     def avx512_vnni(self) -> bool:
@@ -73,8 +74,14 @@ class CpuFeatures:
 
     def fast_path(self, dtype_name: str, quantization: str) -> str:
         """One line for the log: what the matmuls of this worker run on."""
-        if quantization == "int8" and self.int8_gemm:
+        gemm_rows = self.int8_gemm_rows
+        if quantization == "int8" and gemm_rows == 1:
             return "int8 weights through oneDNN's int8 GEMM on the AMX-INT8 units, activations as two int8 terms"
+        if quantization == "int8" and gemm_rows is not None:
+            return (
+                f"int8 weights through AVX-512 VNNI integer dot products below {gemm_rows} rows, from there "
+                "oneDNN's int8 GEMM with activations as two int8 terms (both weight layouts kept)"
+            )
         if quantization != "none":
             if self.avx512_vnni:
                 dots = "AVX-512 VNNI integer dot products"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.worker.cpu_features import CpuFeatures
 from services.worker.quant import formats, matmul
 from services.worker.quant.install import install_int8
 from services.worker.quant.matmul import int8_gemm_into, packed_embedding, packed_linear
@@ -19,7 +20,7 @@ def randn(*shape, seed=0):
 @pytest.fixture(params=["native", "torch"])
 def ends(request, monkeypatch):
     """The native library's quantize and epilogue, then torch's (as without a C compiler)."""
-    monkeypatch.setattr(matmul, "INT8_GEMM", True)
+    monkeypatch.setattr(matmul, "INT8_GEMM_ROWS", 1)
     if request.param == "torch":
         monkeypatch.setattr(matmul, "_native", lambda: None)
     return request.param
@@ -82,15 +83,45 @@ def test_many_rows_stay_on_the_int8_gemm(ends):
     torch.testing.assert_close(packed_linear(x, packed), formats.reference_int8_gemm(x, packed), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("gemm", [True, False])
-def test_models_keep_the_layout_their_products_read(monkeypatch, gemm):
-    """With the int8 GEMM a model keeps its rows as stored; with the native kernel, tiled. Embedding
-    lookups read either."""
-    monkeypatch.setattr(matmul, "INT8_GEMM", gemm)
+@pytest.mark.parametrize("gemm_rows", [1, None, 8], ids=["gemm", "native", "both"])
+def test_models_keep_the_layout_their_products_read(monkeypatch, gemm_rows):
+    """With the int8 GEMM for every product a model keeps its rows as stored; with the native kernel,
+    tiled; with the GEMM from 8 rows, both, and each row count takes its own. Embedding lookups read
+    every layout."""
+    monkeypatch.setattr(matmul, "INT8_GEMM_ROWS", gemm_rows)
     table = torch.nn.Embedding(50, 40)
     table.weight.data = randn(50, 40, seed=11)
     expected = formats.dequantize(formats.quantize_int8(table.weight))
     install_int8(table, [table])
-    assert table.packed.tiled is not gemm and table.weight.numel() == 0
+    packed = table.packed
+    assert packed.tiled is (gemm_rows != 1) and (packed.stored is not None) is (gemm_rows == 8)
+    assert table.weight.numel() == 0 and packed.nbytes >= (2 if gemm_rows == 8 else 1) * 50 * 40
     ids = torch.tensor([49, 0, 7, 7])
-    torch.testing.assert_close(packed_embedding(table.packed, ids, torch.float32), expected[ids])
+    torch.testing.assert_close(packed_embedding(packed, ids, torch.float32), expected[ids])
+
+    calls = []
+    int_mm = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: calls.append(a.shape[0]) or int_mm(a, b))
+    for rows in (1, 3, 8, 20):
+        x = randn(rows, 40, seed=rows)
+        exact = x @ expected.T
+        assert (packed_linear(x, packed) - exact).abs().max() < 0.02 * exact.abs().max()
+    takes_gemm = [rows for rows in (1, 3, 8, 20) if gemm_rows is not None and rows >= gemm_rows]
+    assert calls == takes_gemm
+
+
+@pytest.mark.parametrize(
+    "flags,rows,logged",
+    [
+        ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_int8"}, 1, "AMX-INT8 units"),
+        ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}, 24, "below 24 rows"),
+        ({"avx2", "fma", "avx_vnni"}, None, "AVX2 integer dot products"),
+        (set(), None, "scalar"),
+    ],
+    ids=["amx", "avx512-vnni", "avx2", "none"],
+)
+def test_cpu_decides_where_the_int8_gemm_starts(flags, rows, logged):
+    """The GEMM from one row with AMX, from 24 with AVX-512 VNNI (both layouts), never on AVX2; the log says which."""
+    cpu = CpuFeatures(frozenset(flags), "DEFAULT")
+    assert cpu.int8_gemm_rows == rows
+    assert logged in cpu.fast_path("float32", "int8")

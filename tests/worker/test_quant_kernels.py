@@ -40,7 +40,7 @@ def pack(fmt: str, weight: torch.Tensor) -> formats.PackedWeight:
 @pytest.fixture(autouse=True)
 def native_int8(monkeypatch):
     """int8 products here take the native kernel (the int8 GEMM has its own tests, test_int8_gemm.py)."""
-    monkeypatch.setattr(matmul, "INT8_GEMM", False)
+    monkeypatch.setattr(matmul, "INT8_GEMM_ROWS", None)
 
 
 @pytest.fixture(params=QUANT_PATHS)

@@ -13,10 +13,11 @@ from services.worker.quant import matmul
 from tests.worker.tiny import request, run_logits, save_tiny_model
 
 
-@pytest.mark.parametrize("int8_gemm", [True, False], ids=["int8-gemm", "native-kernel"])
+@pytest.mark.parametrize("gemm_rows", [1, None, 8], ids=["int8-gemm", "native-kernel", "both"])
 @pytest.mark.parametrize("num_requests", [2, 20])
-def test_int8_decode_steps(tmp_path, monkeypatch, num_requests, int8_gemm):
-    monkeypatch.setattr(matmul, "INT8_GEMM", int8_gemm)
+def test_int8_decode_steps(tmp_path, monkeypatch, num_requests, gemm_rows):
+    """With both layouts (the GEMM from 8 rows) 2 requests take the native kernel and 20 the GEMM."""
+    monkeypatch.setattr(matmul, "INT8_GEMM_ROWS", gemm_rows)
     for ours, torch_path, float_logits in decode_steps(tmp_path, num_requests):
         # Same packed weights and kernels; norms summed in another order can move an activation
         # across a rounding boundary of its int8 block, hence the quantization-sized tolerance.
@@ -27,7 +28,7 @@ def test_int8_decode_steps(tmp_path, monkeypatch, num_requests, int8_gemm):
 def test_int8_batch_one_takes_prepared_calls(tmp_path, monkeypatch):
     """Batch 1 calls the kernel with arguments prepared once per weight (NativeCpuPath.packed_gemv):
     the same logits as the torch path over the same packed weights."""
-    monkeypatch.setattr(matmul, "INT8_GEMM", False)  # the prepared calls read the tiled layout
+    monkeypatch.setattr(matmul, "INT8_GEMM_ROWS", None)  # the prepared calls read the tiled layout
     calls = {}
     for ours, torch_path, _ in decode_steps(tmp_path, 1, calls):
         torch.testing.assert_close(ours, torch_path, atol=2e-3, rtol=0)

@@ -142,13 +142,14 @@ def teacher_forced_ranks(model, prompt: list[int], outputs: list[int]) -> list[i
 
 
 @pytest.mark.parametrize(
-    "quantization,int8_gemm", [("int8", True), ("int8", False), ("gguf", False)], ids=["int8-gemm", "int8", "gguf"]
+    "quantization,gemm_rows", [("int8", 1), ("int8", None), ("gguf", None)], ids=["int8-gemm", "int8", "gguf"]
 )
-def test_quantized_greedy_within_float32_top5(reference, monkeypatch, quantization, int8_gemm):
+def test_quantized_greedy_within_float32_top5(reference, monkeypatch, quantization, gemm_rows):
     """Quantized weights: every greedy token is in float32 transformers' top 5 under teacher forcing,
     and at least 90% are its top 1. Prefill chunks and decode steps both read the packed weights.
-    int8 runs both ways: oneDNN's int8 GEMM (per-row activation scales) and the native kernel."""
-    monkeypatch.setattr(matmul, "INT8_GEMM", int8_gemm)
+    int8 runs each way for every product: oneDNN's int8 GEMM (per-row activation scales, two terms)
+    and the native kernel."""
+    monkeypatch.setattr(matmul, "INT8_GEMM_ROWS", gemm_rows)
     model, tokenizer = reference
     prompts = prompt_ids(tokenizer)
     config = worker_config("float32", load__quantization=quantization)

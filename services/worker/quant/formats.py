@@ -43,6 +43,9 @@ class PackedWeight:
     # int8 GEMM only, 1 or 2: 2 also quantizes each activation row's rounding error to int8 and adds its product
     # (two GEMMs), for inputs whose outlier channels one scale per row represents poorly
     activation_terms: int = 1
+    # int8 where the int8 GEMM takes only large steps (matmul.INT8_GEMM_ROWS > 1): the [N, K] rows as
+    # stored, kept beside the tiled data the native kernel reads for small ones
+    stored: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.num_rows < 0:
@@ -55,6 +58,7 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         extra = 0 if self.scales is None else self.scales.numel() * 4
+        extra += 0 if self.stored is None else self.stored.numel()
         return self.data.numel() * self.data.element_size() + extra
 
     def rows(self, index: torch.Tensor) -> PackedWeight:
@@ -121,6 +125,8 @@ def untile(packed: PackedWeight) -> PackedWeight:
     """The row-by-row layout of a tiled weight (``tile`` undone)."""
     if not packed.tiled:
         return packed
+    if packed.stored is not None:
+        return replace(packed, data=packed.stored, tiled=False, stored=None)
     n, k = packed.shape
     rows, width = packed.data.shape
     fields, chunks = _record_layout(packed.format)

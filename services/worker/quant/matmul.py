@@ -1,18 +1,19 @@
 """Products with packed weights: an int8 GEMM, the native quantized linear, or torch over weights
 dequantized per call.
 
-- int8 weights on CPUs with AMX-INT8 tiles: each row of x is quantized to int8 in two terms (the
-  row with one scale, then what that rounding lost, the same way: one scale per row alone lost 6 of
-  100 top-1 tokens against float32 to the inputs' outlier channels, the second term costs ~30% of
-  a batch-64 step) and oneDNN's int8 GEMM (``torch._int_mm``) multiplies both with the weight as
-  stored, row by row ([N, K], read transposed), at any row count. The int32 sums are scaled by the
-  row's and the channel's scales. Whole decode steps of the default model on a Xeon with AMX, one
-  thread, against the native kernel: 1.5x at batch 1, 2.6x at 64 (one term; 2.0x the float32 model).
-  With VNNI but no AMX (an AVX-512 VNNI EPYC, 2 threads) the native kernel is faster at batch 1 (2x)
-  and close at 64 (the GEMM 1.17x with two terms), and on AVX2 alone oneDNN emulates the dot
-  products (0.36x the native kernel at batch 1, 1.5x at 64): there int8 keeps to the native kernel
-  like the GGUF formats (taking the GEMM for large steps would need a second copy of the weights in
-  the other layout). ``CpuFeatures.int8_gemm`` decides.
+- int8 weights through oneDNN's int8 GEMM (``torch._int_mm``), from ``INT8_GEMM_ROWS`` rows: each
+  row of x is quantized to int8 in two terms (the row with one scale, then what that rounding lost,
+  the same way: one scale per row alone lost 6 of 100 top-1 tokens against float32 to the inputs'
+  outlier channels; the second term costs ~30% of a batch-64 step) and the GEMM multiplies both with
+  the weight as stored, row by row ([N, K], read transposed). The int32 sums are scaled by the row's
+  and the channel's scales. Where it starts is the CPU's (``CpuFeatures.int8_gemm_rows``): with
+  AMX-INT8 at one row (whole decode steps of the default model, one thread, one term, against the
+  native kernel: 1.5x at batch 1, 2.6x at 64), so only the stored rows are kept. With AVX-512 VNNI
+  but no AMX (an EPYC, 2 threads) the native kernel is 2x the GEMM at batch 1 and about even at 16,
+  the GEMM 1.1x the native kernel at 24 and 1.25x at 64: models keep both layouts there (the int8
+  weights twice, as much memory as bfloat16 weights) and steps of 24 rows or more take the GEMM. On
+  AVX2 alone oneDNN emulates the dot products (0.36x the native kernel at batch 1): int8 keeps to
+  the native kernel like the GGUF formats.
 - ``quant_kernels.c`` does y = x W^T with integer dot products over the packed bytes in their tiled
   layout (``formats.tile``: models tile their weights once at load, ``kernel_layout``; an untiled
   weight is tiled per call here), x quantized per block of 32 as ggml does.
@@ -23,6 +24,8 @@ dequantized per call.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -37,17 +40,23 @@ from .formats import FORMAT_CODES, PackedWeight, dequantize, reference_int8_gemm
 DEQUANTIZE_ROWS = 100
 
 
-# Set once per process from the CPU (``CpuFeatures.int8_gemm``); tests switch it to run either path on any CPU.
-INT8_GEMM = detect().int8_gemm
+# Rows from which int8 products take the int8 GEMM (None: never), set once per process from the CPU
+# (``CpuFeatures.int8_gemm_rows``); tests switch it to run either path on any CPU.
+INT8_GEMM_ROWS = detect().int8_gemm_rows
 
 
 def kernel_layout(packed: PackedWeight) -> PackedWeight:
-    """The layout a model keeps for its products: as stored for the int8 GEMM, tiled for the native kernel."""
-    return packed if _takes_int8_gemm(packed) else tile(packed)
+    """The layout a model keeps for its products: tiled for the native kernel, the rows as stored for
+    the int8 GEMM, or both where the GEMM takes only the large steps."""
+    if packed.format != "int8" or INT8_GEMM_ROWS is None:
+        return tile(packed)
+    if INT8_GEMM_ROWS <= 1:
+        return untile(packed)
+    return replace(tile(packed), stored=untile(packed).data)
 
 
-def _takes_int8_gemm(packed: PackedWeight) -> bool:
-    return packed.format == "int8" and INT8_GEMM
+def _takes_int8_gemm(packed: PackedWeight, rows: int) -> bool:
+    return packed.format == "int8" and INT8_GEMM_ROWS is not None and rows >= INT8_GEMM_ROWS
 
 
 def int8_gemm_into(
@@ -121,7 +130,7 @@ def linear_into(
     accumulate: bool = False,
 ) -> None:
     """out[:, :N] (+)= x W^T + bias, on the int8 GEMM or the native kernel (decode steps take this directly)."""
-    if _takes_int8_gemm(packed):
+    if _takes_int8_gemm(packed, x.shape[0]):
         int8_gemm_into(x, packed, bias, out, accumulate)
         return
     lib = load_quant()
@@ -137,7 +146,7 @@ def linear_into(
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + bias in x's dtype, for any number of rows: [M, K] -> [M, N]."""
-    if _takes_int8_gemm(packed):
+    if _takes_int8_gemm(packed, x.shape[0]):
         out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
         int8_gemm_into(x.contiguous(), packed, bias, out)
         return out
