@@ -41,7 +41,7 @@ class PackedWeight:
     num_rows: int = -1  # N; data has more rows once tiled (whole tiles)
     tiled: bool = False  # data in the kernels' tiled layout (see the module docstring)
     # int8 GEMM only, 1 or 2: 2 also quantizes each activation row's rounding error to int8 and adds its product
-    # (two GEMMs), for inputs whose outlier channels one scale per row represents poorly
+    # (one GEMM of twice the rows), for inputs whose outlier channels one scale per row represents poorly
     activation_terms: int = 1
     # int8 where the int8 GEMM takes only large steps (matmul.INT8_GEMM_ROWS > 1): the [N, K] rows as
     # stored, kept beside the tiled data the native kernel reads for small ones
