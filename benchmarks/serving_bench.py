@@ -119,6 +119,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     add_arguments(parser)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     torch.set_num_threads(args.threads)
     per_shape = {}
     with contextlib.ExitStack() as exits:
