@@ -10,7 +10,7 @@ for the cores (the stack idles while the others run):
 1. the stack: ``kvgrid serve`` with the default model, driven through the public gRPC API by
    ``kvgrid bench``'s client, at most ``concurrency`` requests in flight;
 2. the worker alone: the same model and limits in this process, its runner under the scheduler's
-   own core (same continuous batching, no gRPC, no other processes);
+   own core (same continuous batching and plans of several decode steps, no gRPC, no other processes);
 3. Hugging Face ``generate`` in float32 from the same GGUF file, static batches of ``concurrency``
    requests (a batch runs until its longest request is done; only requested tokens count).
 Each shape runs ``--rounds`` times on every side, the sides taking turns in an order that rotates

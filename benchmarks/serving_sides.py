@@ -66,7 +66,8 @@ def run_stack(addr: str, shape: Shape) -> tuple[int, float]:
 
 def run_worker(core, config, shape: Shape) -> tuple[int, float]:
     """The worker's runner under the scheduler's own core, in one process, no gRPC: the same continuous
-    batching the stack does, with the same limits, ``concurrency`` requests admitted at a time."""
+    batching the stack does, with the same limits and plans of several decode steps sized from the measured
+    step times, ``concurrency`` requests admitted at a time."""
     from services.scheduler.convert import plan_to_proto, stop_conditions_from_proto
     from services.scheduler.engine import build_scheduler
     from services.scheduler.request import Request
@@ -90,7 +91,10 @@ def run_worker(core, config, shape: Shape) -> tuple[int, float]:
             scheduler.add_request(Request(f"r{i}", prompt, stop_conditions_from_proto(sampling), sampling))
             in_flight += 1
         out = scheduler.schedule()
-        rows = runner.execute(states.apply(plan_to_proto(out)))
+        plan = plan_to_proto(out)
+        started = time.perf_counter()
+        rows, _ = core.execute(plan, states.apply(plan))
+        scheduler.record_step_seconds(out, time.perf_counter() - started)
         results = scheduler.update_from_output(out, [(r.request.request_id, r.token_id, None) for r in rows])
         produced += len(results)
         in_flight -= sum(r.finish is not None for r in results)

@@ -8,6 +8,7 @@ sampled tokens go back to ``update_from_output``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from services.common.config import Config
@@ -52,10 +53,12 @@ class OfflineEngine:
             )
         plan = plan_to_proto(out)
         self.core.check_plan(plan)
+        started = time.perf_counter()
         rows, num_failed = self.core.execute(plan, self.states.apply(plan))
+        self.scheduler.record_step_seconds(out, time.perf_counter() - started)
         if num_failed:
             self.scheduler.tiers.record_failed_loads(num_failed, out.kv_loads())
-        self.num_steps += 1
+        self.num_steps += out.num_steps
         return self.scheduler.update_from_output(out, [(r.request.request_id, r.token_id, r.logprob) for r in rows])
 
     def stats(self) -> EngineStats:

@@ -195,7 +195,9 @@ class LLM:
                     engine.add(p.request)
                 for sampled in engine.step():
                     rid = sampled.request.request_id
-                    collector = collectors[rid]
+                    collector = collectors.get(rid)
+                    if collector is None:
+                        continue  # a plan of several steps: a token after the stop string that ended it
                     collector.push(sampled)
                     if not collector.finished:
                         continue

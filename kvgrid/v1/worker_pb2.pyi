@@ -128,18 +128,20 @@ class RunningRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running", "finished_ids", "kv_saves")
+    __slots__ = ("step_id", "new_requests", "running", "finished_ids", "kv_saves", "num_steps")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     FINISHED_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_SAVES_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     running: _containers.RepeatedCompositeFieldContainer[RunningRequest]
     finished_ids: _containers.RepeatedScalarFieldContainer[str]
     kv_saves: _containers.RepeatedCompositeFieldContainer[KvTierBlock]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., kv_saves: _Optional[_Iterable[_Union[KvTierBlock, _Mapping]]] = ...) -> None: ...
+    num_steps: int
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., kv_saves: _Optional[_Iterable[_Union[KvTierBlock, _Mapping]]] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("request_id", "token_id", "logprob")

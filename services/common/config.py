@@ -155,6 +155,11 @@ class SchedulerConfig:
     async_scheduling: bool = _opt(
         True, "plan each step while the worker runs the previous one (the worker feeds its sampled token forward)"
     )
+    num_scheduler_steps: int = _opt(
+        0,
+        "decode steps one plan may stand for while every running request decodes and none waits"
+        " (0: auto, as many as fit in 50 ms at the last decode step's time, at most 8)",
+    )
     worker_reconnect_timeout: float = _opt(
         180.0, "seconds the requests of a lost worker wait for a worker to resume them before failing (UNAVAILABLE)"
     )
@@ -167,6 +172,8 @@ class SchedulerConfig:
             errors.append(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_waiting_requests < 1:
             errors.append(f"--max-waiting-requests must be >= 1, got {self.max_waiting_requests}")
+        if self.num_scheduler_steps < 0:
+            errors.append(f"--num-scheduler-steps must be >= 0 (0: auto), got {self.num_scheduler_steps}")
         if self.worker_reconnect_timeout < 0:
             errors.append(f"--worker-reconnect-timeout must be >= 0, got {self.worker_reconnect_timeout}")
         return errors

@@ -20,11 +20,14 @@ def stop_conditions_from_proto(sampling: common_pb2.SamplingParams) -> StopCondi
         min_tokens=sampling.min_tokens,
         stop_token_ids=frozenset(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
+        structured=sampling.WhichOneof("structured_output") is not None,
     )
 
 
 def plan_to_proto(out: SchedulerOutput) -> worker_pb2.StepPlan:
     plan = worker_pb2.StepPlan(step_id=out.step_id, finished_ids=out.finished_ids)
+    if out.num_steps > 1:
+        plan.num_steps = out.num_steps
     for new in out.new_requests:
         request = new.request
         plan.new_requests.append(

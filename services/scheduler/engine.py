@@ -69,6 +69,7 @@ def build_scheduler(
         max_num_batched_tokens=min(n for n in (sched.max_num_batched_tokens, info.max_num_batched_tokens) if n > 0),
         max_model_len=max_model_len,
         policy=sched.scheduling_policy,
+        num_scheduler_steps=sched.num_scheduler_steps,
     )
     kv = KVCacheManager(BlockPool(info.num_blocks, config.cache.enable_prefix_caching), info.block_size)
     admission = AdmissionLimits(
@@ -353,7 +354,8 @@ class Engine:
                 out = in_flight.popleft()
                 if result.step_id != out.step_id:
                     raise WorkerProtocolError(f"result for step {result.step_id}, expected {out.step_id}")
-                self._num_steps += 1
+                self._num_steps += out.num_steps
+                core.record_step_seconds(out, result.execute_seconds)
                 if result.num_kv_load_failed_tokens and core.tiers is not None:
                     core.tiers.record_failed_loads(result.num_kv_load_failed_tokens, out.kv_loads())
                 self._deliver(core.update_from_output(out, sampled_from_proto(result)))

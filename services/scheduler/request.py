@@ -28,6 +28,9 @@ class StopConditions:
     min_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    # Structured output: the worker's grammar ends the request (it allows only EOS once complete), so it is
+    # planned one step at a time (a plan of several steps would sample past the grammar's end).
+    structured: bool = False
 
 
 @dataclass(slots=True)

@@ -54,8 +54,11 @@ class WorkerCore:
             raise InvalidArgument("kv_saves", "this worker serves no KV tiers (--kv-tiers)")
 
     def execute(self, plan: worker_pb2.StepPlan, scheduled: list[RequestState]) -> tuple[list[SampledRow], int]:
-        """The plan's KV tier moves, then the step; also returns the tokens planned as loads that were computed."""
+        """The plan's KV tier moves, then its step (or steps); also returns the tokens planned as loads that were
+        computed."""
         num_failed = self.kv_transfer.apply(plan, scheduled) if self.kv_transfer is not None else 0
+        if plan.num_steps > 1:
+            return self.runner.execute_steps(scheduled, plan.num_steps), num_failed
         return self.runner.execute(scheduled), num_failed
 
     def request_states(self) -> RequestStates:

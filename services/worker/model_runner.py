@@ -144,6 +144,16 @@ class ModelRunner:
             row.request.sampling.append(row.token_id)
         return rows
 
+    def execute_steps(self, requests: list[RequestState], num_steps: int) -> list[SampledRow]:
+        """``execute`` ``num_steps`` times over a batch of decodes that all sample: each step computes the token
+        the step before sampled (a plan of several steps, see StepPlan.num_steps). Rows in step order."""
+        rows = self.execute(requests)
+        for _ in range(num_steps - 1):
+            for r in requests:
+                r.num_scheduled_tokens = 1
+            rows += self.execute(requests)
+        return rows
+
     def profile_run(self, num_tokens: int, num_seqs: int) -> None:
         """A dummy step of ``num_tokens`` prompt tokens over ``num_seqs`` requests that all sample.
 

@@ -50,10 +50,13 @@ class RequestStates:
         """
         dropped = set(plan.finished_ids)
         seen: set[str] = set()
+        num_steps = max(plan.num_steps, 1)
+        if num_steps > 1 and plan.new_requests:
+            raise InvalidArgument("num_steps", f"a plan of {num_steps} steps has new requests (only decodes repeat)")
         for new in plan.new_requests:
             self._check_new(new, dropped, seen)
         for run in plan.running:
-            self._check_running(run, dropped, seen)
+            self._check_running(run, dropped, seen, num_steps)
         for request_id in plan.finished_ids:
             self.requests.pop(request_id, None)
         scheduled = []
@@ -94,7 +97,7 @@ class RequestStates:
         self._check_blocks(rid, "new_requests.block_ids", new.block_ids)
         self._check_span(rid, "new_requests", new.num_computed_tokens, new.num_scheduled_tokens, n, len(new.block_ids))
 
-    def _check_running(self, run: worker_pb2.RunningRequest, dropped: set[str], seen: set[str]) -> None:
+    def _check_running(self, run: worker_pb2.RunningRequest, dropped: set[str], seen: set[str], num_steps: int) -> None:
         rid = run.request_id
         if rid in seen:
             raise InvalidArgument("running.request_id", f"request {rid!r} appears twice in the step")
@@ -104,8 +107,16 @@ class RequestStates:
             raise InvalidArgument("running.request_id", f"request {rid!r} is not known to the worker")
         self._check_blocks(rid, "running.new_block_ids", run.new_block_ids)
         num_blocks = len(state.block_ids) + len(run.new_block_ids)
+        known = len(state.token_ids)
+        if num_steps > 1:
+            # Each step computes the token the one before sampled: the request must sample from the first step on.
+            if run.num_scheduled_tokens != 1 or state.num_computed_tokens + 1 != known:
+                raise InvalidArgument(
+                    "num_steps", f"{rid}: a plan of {num_steps} steps repeats decodes only (1 token that samples)"
+                )
+            known += num_steps - 1  # the tokens the run samples before computing them
         self._check_span(
-            rid, "running", state.num_computed_tokens, run.num_scheduled_tokens, len(state.token_ids), num_blocks
+            rid, "running", state.num_computed_tokens, run.num_scheduled_tokens + num_steps - 1, known, num_blocks
         )
 
     def _check_blocks(self, rid: str, where: str, block_ids) -> None:

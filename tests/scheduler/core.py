@@ -21,9 +21,11 @@ def make_scheduler(
     policy: str = "fcfs",
     eos: tuple[int, ...] = (),
     caching: bool = True,
+    num_scheduler_steps: int = 1,
 ) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks, caching), block_size)
-    return Scheduler(SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_model_len, policy), kv, eos)
+    limits = SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_model_len, policy, num_scheduler_steps)
+    return Scheduler(limits, kv, eos)
 
 
 def make_request(request_id: str, prompt: list[int], max_tokens: int = 16, priority: int = 0, **stop) -> Request:

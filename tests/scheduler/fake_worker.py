@@ -134,7 +134,7 @@ class FakeModel:
         self.tier_store: dict[tuple, dict[int, int]] = {}
 
     def step(self, plan: worker_pb2.StepPlan) -> worker_pb2.StepResult:
-        """Run one plan; raises AssertionError on any protocol violation."""
+        """Run one plan (``num_steps`` decode steps of it); raises AssertionError on any protocol violation."""
         seqs, kv = self.seqs, self.kv
         bs = self.config.block_size
         for request_id in plan.finished_ids:
@@ -170,27 +170,35 @@ class FakeModel:
             for block_id in seq.block_ids:
                 assert 0 <= block_id < self.config.num_blocks, f"block id {block_id} out of range"
                 holders.setdefault(block_id, []).append(request_id)
+        num_steps = max(plan.num_steps, 1)
+        assert num_steps == 1 or not plan.new_requests, f"a plan of {num_steps} steps with new requests"
         sampled = []
-        for request_id, num_scheduled in scheduled:
-            seq = seqs[request_id]
-            assert num_scheduled > 0, f"{request_id}: zero tokens scheduled"
-            end = seq.num_computed + num_scheduled
-            assert end <= len(seq.token_ids), f"{request_id}: schedules {end} tokens, knows {len(seq.token_ids)}"
-            assert len(seq.block_ids) * bs >= end, f"{request_id}: {len(seq.block_ids)} blocks for {end} tokens"
-            assert len(set(seq.block_ids)) == len(seq.block_ids), f"{request_id}: a block twice in its table"
-            for pos in range(seq.num_computed, end):
-                block_id = seq.block_ids[pos // bs]
-                owners = holders[block_id]
-                assert owners == [request_id], f"{request_id} writes block {block_id}, held by {owners}"
-                kv.setdefault(block_id, {})[pos % bs] = seq.token_ids[pos]
-            seq.num_computed = end
-            if end == len(seq.token_ids):
-                token = next_token(seq.token_ids, self.config.vocab_size)
-                seq.token_ids.append(token)
-                item = worker_pb2.SampledToken(request_id=request_id, token_id=token)
-                if seq.want_logprobs:
-                    item.logprob.CopyFrom(common_pb2.TokenLogprob(token_id=token, logprob=-1.0))
-                sampled.append(item)
+        for step in range(num_steps):
+            for request_id, num_scheduled in scheduled:
+                seq = seqs[request_id]
+                if step:
+                    num_scheduled = 1  # each further step computes the token the step before sampled
+                assert num_scheduled > 0, f"{request_id}: zero tokens scheduled"
+                end = seq.num_computed + num_scheduled
+                assert end <= len(seq.token_ids), f"{request_id}: schedules {end} tokens, knows {len(seq.token_ids)}"
+                assert num_steps == 1 or (num_scheduled == 1 and end == len(seq.token_ids)), (
+                    f"{request_id}: a plan of {num_steps} steps that does not decode it"
+                )
+                assert len(seq.block_ids) * bs >= end, f"{request_id}: {len(seq.block_ids)} blocks for {end} tokens"
+                assert len(set(seq.block_ids)) == len(seq.block_ids), f"{request_id}: a block twice in its table"
+                for pos in range(seq.num_computed, end):
+                    block_id = seq.block_ids[pos // bs]
+                    owners = holders[block_id]
+                    assert owners == [request_id], f"{request_id} writes block {block_id}, held by {owners}"
+                    kv.setdefault(block_id, {})[pos % bs] = seq.token_ids[pos]
+                seq.num_computed = end
+                if end == len(seq.token_ids):
+                    token = next_token(seq.token_ids, self.config.vocab_size)
+                    seq.token_ids.append(token)
+                    item = worker_pb2.SampledToken(request_id=request_id, token_id=token)
+                    if seq.want_logprobs:
+                        item.logprob.CopyFrom(common_pb2.TokenLogprob(token_id=token, logprob=-1.0))
+                    sampled.append(item)
         return worker_pb2.StepResult(step_id=plan.step_id, sampled=sampled, execute_seconds=0.0)
 
 

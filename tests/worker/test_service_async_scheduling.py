@@ -1,9 +1,12 @@
-"""Async scheduling through the real worker: a tiny random Llama gives the same tokens with it on and off.
+"""Async scheduling and plans of several steps through the real worker: a tiny random Llama gives the same
+tokens with them on and off.
 
 The scheduler (in-process, over gRPC) plans each step while the worker runs the
 previous one, and the worker computes the token it sampled itself. Greedy and
 seeded requests, a KV pool small enough to preempt, and EOS stops found one step
-late must give exactly the tokens of sync scheduling.
+late must give exactly the tokens of sync scheduling; so must plans of several decode steps
+(StepPlan.num_steps: 4, or as many as the auto rule takes from the worker's step times), with stops
+found inside a plan.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ pytestmark = pytest.mark.timeout(300)
 EOS = 150  # <|im_end|> of the tiny tokenizer
 
 
-def _config(model_dir: str, async_scheduling: bool, worker_addr: str = "") -> cfg.Config:
+def _config(model_dir: str, async_scheduling: bool, worker_addr: str = "", steps: int = 1) -> cfg.Config:
     config = cfg.build_config(environ={})
     config.model.model = model_dir
     config.model.dtype = "float32"
@@ -39,6 +42,7 @@ def _config(model_dir: str, async_scheduling: bool, worker_addr: str = "") -> cf
     config.cache.kv_cache_memory = 48 * 1024  # 48 blocks of 1 KiB: far fewer than the requests want
     config.scheduler.max_num_seqs = 16
     config.scheduler.async_scheduling = async_scheduling
+    config.scheduler.num_scheduler_steps = steps
     config.network.host = "127.0.0.1"
     config.network.scheduler_port = 0
     config.network.worker_addr = worker_addr
@@ -57,9 +61,9 @@ def _requests() -> list:
     return requests
 
 
-async def _run(model_dir: str, core, async_scheduling: bool, requests) -> tuple[dict, dict, int]:
+async def _run(model_dir: str, core, async_scheduling: bool, requests, steps: int = 1) -> tuple[dict, dict, int]:
     worker = await start_worker(_config(model_dir, async_scheduling), 0, core=core)
-    scheduler = await start(_config(model_dir, async_scheduling, f"127.0.0.1:{worker.port}"))
+    scheduler = await start(_config(model_dir, async_scheduling, f"127.0.0.1:{worker.port}", steps))
     try:
         async with insecure_channel(f"127.0.0.1:{scheduler.port}") as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
@@ -75,16 +79,27 @@ async def _run(model_dir: str, core, async_scheduling: bool, requests) -> tuple[
         await worker.stop(None)
 
 
-def test_async_scheduling_gives_the_tokens_of_sync_scheduling_through_the_worker(tmp_path):
+@pytest.mark.parametrize("steps", [1, 4, 0], ids=["one-step-plans", "plans-of-4-steps", "auto-plans"])
+def test_async_scheduling_gives_the_tokens_of_sync_scheduling_through_the_worker(tmp_path, steps):
     model_dir = str(tmp_path / "tiny")
     save_tiny_model(model_dir, "llama", seed=1)
     save_tiny_tokenizer(model_dir)
     core = build_core(_config(model_dir, True))
     requests = _requests()
     sync_tokens, sync_finish, sync_preempted = asyncio.run(_run(model_dir, core, False, requests))
-    async_tokens, async_finish, async_preempted = asyncio.run(_run(model_dir, core, True, requests))
+    multi_step_plans = []
+    execute_steps = core.runner.execute_steps
+    core.runner.execute_steps = lambda batch, n: multi_step_plans.append(n) or execute_steps(batch, n)
+    async_tokens, async_finish, async_preempted = asyncio.run(_run(model_dir, core, True, requests, steps))
     assert sync_preempted > 0 and async_preempted > 0
     assert async_finish == sync_finish and async_tokens == sync_tokens
+    # Plans of several steps run only once nothing waits (the tail of this workload, which fills the pool).
+    if steps == 4:
+        assert len(multi_step_plans) >= 3 and set(multi_step_plans) <= {2, 3, 4}, multi_step_plans
+    elif steps == 0:  # the tiny model's decode steps take a few ms: auto groups them
+        assert multi_step_plans, "no plan of several steps"
+    else:
+        assert multi_step_plans == []
     assert any(t[-1] == EOS for t in sync_tokens.values()) or all(r.sampling.ignore_eos for r in requests)
     for r in requests:
         assert 0 < len(sync_tokens[r.request_id]) <= r.sampling.max_tokens

@@ -83,3 +83,49 @@ def test_bad_plans_are_rejected_whole(plan, field):
         s.apply(plan)
     assert field in err.value.field
     assert sorted(s.requests) == ["b"]  # nothing of the bad plan was applied
+
+
+def _decoding(s: RequestStates):
+    """Request "a": 3 prompt tokens computed, the first output sampled (4 known), one block of 4 held."""
+    (a,) = s.apply(worker_pb2.StepPlan(new_requests=[new("a", [1, 2, 3], [0])]))
+    a.num_computed_tokens, a.token_ids = 3, a.token_ids + [9]
+    return a
+
+
+def _run(num_steps: int, new_block_ids=(), scheduled: int = 1) -> worker_pb2.StepPlan:
+    running = worker_pb2.RunningRequest(request_id="a", new_block_ids=new_block_ids, num_scheduled_tokens=scheduled)
+    return worker_pb2.StepPlan(running=[running], num_steps=num_steps)
+
+
+def test_a_plan_of_several_steps_needs_blocks_for_all_its_tokens():
+    s = states()
+    a = _decoding(s)
+    assert s.apply(_run(4, [5])) == [a] and a.block_ids == [0, 5]  # positions 3..6
+    a.num_computed_tokens, a.token_ids = 7, a.token_ids + [9, 9, 9, 9]
+    with pytest.raises(InvalidArgument, match="blocks cannot hold") as err:
+        s.apply(_run(2))  # positions 7..8: past the 2 blocks
+    assert err.value.field == "running.block_ids"
+
+
+@pytest.mark.parametrize(
+    ("plan", "field"),
+    [
+        (worker_pb2.StepPlan(new_requests=[new("c", [1, 2], [4])], num_steps=2), "num_steps"),  # a new request
+        (_run(2, [5], scheduled=2), "num_steps"),  # more than one token in a step
+        (_run(30, list(range(1, 9))), "running.num_scheduled_tokens"),  # 33 tokens: past max_model_len
+    ],
+)
+def test_bad_plans_of_several_steps_are_rejected(plan, field):
+    s = states()
+    _decoding(s)
+    with pytest.raises(InvalidArgument) as err:
+        s.apply(plan)
+    assert err.value.field == field
+
+
+def test_a_plan_of_several_steps_is_refused_for_a_request_that_does_not_sample():
+    s = states()
+    (a,) = s.apply(worker_pb2.StepPlan(new_requests=[new("a", [1, 2, 3, 4, 5], [0, 1], scheduled=2)]))
+    a.num_computed_tokens = 2  # a prefill chunk: 3 prompt tokens left
+    with pytest.raises(InvalidArgument, match="repeats decodes only"):
+        s.apply(_run(2))
