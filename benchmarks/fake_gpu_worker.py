@@ -2,7 +2,8 @@
 
 ``python -m benchmarks.fake_gpu_worker --port P --step-ms 10`` serves kvgrid.v1.Worker.
 Steps run one after another as on a device: a step starts when its plan has
-arrived and the previous step has ended, and ends ``step_ms`` later. Each
+arrived and the previous step has ended, and ends ``step_ms`` later (a plan of several decode steps,
+StepPlan.num_steps, that many times ``step_ms``). Each
 request keeps only two counters; the token sampled for position p of a request
 is a fixed function of (request id, p), and the worker keeps it, as the real
 worker does (under async scheduling the next plan computes it).
@@ -64,7 +65,7 @@ class FakeGpuWorker(worker_pb2_grpc.WorkerServicer):
                     return
                 result = self._step(plan, seqs)
                 # The "device" starts this step when it has the plan and the previous step is done.
-                free_at = max(free_at, arrival) + self.step_s
+                free_at = max(free_at, arrival) + self.step_s * max(plan.num_steps, 1)
                 delay = free_at - time.monotonic()
                 if delay > 0:
                     await asyncio.sleep(delay)
@@ -82,15 +83,17 @@ class FakeGpuWorker(worker_pb2_grpc.WorkerServicer):
             scheduled.append((new.request_id, seq, new.num_scheduled_tokens))
         for running in plan.running:
             scheduled.append((running.request_id, seqs[running.request_id], running.num_scheduled_tokens))
-        result = worker_pb2.StepResult(step_id=plan.step_id, execute_seconds=self.step_s)
+        num_steps = max(plan.num_steps, 1)
+        result = worker_pb2.StepResult(step_id=plan.step_id, execute_seconds=self.step_s * num_steps)
         sampled = result.sampled
-        for request_id, seq, num_scheduled in scheduled:
-            seq[1] += num_scheduled
-            if seq[1] == seq[0]:  # every known token computed: sample the next, and keep it
-                item = sampled.add()
-                item.request_id = request_id
-                item.token_id = FIRST_TOKEN + (seq[2] + seq[0] * 7919) % NUM_TOKENS
-                seq[0] += 1
+        for step in range(num_steps):  # a further step computes the token the one before sampled
+            for request_id, seq, num_scheduled in scheduled:
+                seq[1] += num_scheduled if step == 0 else 1
+                if seq[1] == seq[0]:  # every known token computed: sample the next, and keep it
+                    item = sampled.add()
+                    item.request_id = request_id
+                    item.token_id = FIRST_TOKEN + (seq[2] + seq[0] * 7919) % NUM_TOKENS
+                    seq[0] += 1
         return result
 
 

@@ -39,7 +39,13 @@ from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_events import KvEventLog
 from services.scheduler.kv_tiers import build_tiers
 from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler, SchedulerLimits, SchedulerOutput, WorkerProtocolError
+from services.scheduler.scheduler import (
+    Scheduler,
+    SchedulerLimits,
+    SchedulerOutput,
+    WorkerProtocolError,
+    describe_plan_steps,
+)
 from services.scheduler.streams import RequestStream
 from services.scheduler.worker_link import WorkerSession, connect
 
@@ -288,12 +294,13 @@ class Engine:
         if self.metrics is not None:
             self.metrics.kv_blocks_total.set(info.num_blocks)
         log.info(
-            "worker %s ready: model %s, %d blocks of %d tokens, max model length %d",
+            "worker %s ready: model %s, %d blocks of %d tokens, max model length %d; decode steps per plan: %s",
             info.worker_id or "?",
             info.model,
             info.num_blocks,
             info.block_size,
             self._core.max_seq_len,
+            describe_plan_steps(self.config.scheduler.num_scheduler_steps),
         )
         self._on_ready(not self._draining)
         self._publish()

@@ -46,6 +46,12 @@ PLAN_SECONDS = 0.05
 MAX_PLAN_STEPS = 8
 
 
+def describe_plan_steps(num_scheduler_steps: int) -> str:
+    if num_scheduler_steps == 0:
+        return f"auto (as many as fit in {PLAN_SECONDS * 1000:g} ms, at most {MAX_PLAN_STEPS})"
+    return str(num_scheduler_steps)
+
+
 class WorkerProtocolError(RuntimeError):
     """The worker's result contradicts the plan (a missing or unexpected sampled token)."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.scheduler.request import RequestStatus
-from services.scheduler.scheduler import MAX_PLAN_STEPS, PLAN_SECONDS
+from services.scheduler.scheduler import MAX_PLAN_STEPS, PLAN_SECONDS, describe_plan_steps
 from tests.scheduler.core import Driver, make_request, make_scheduler
 from tests.scheduler.fake_worker import generate, next_token
 
@@ -87,3 +87,8 @@ def test_a_pool_without_room_for_the_plan_s_tokens_plans_one_step_without_preemp
     steps = [d.step()[0].num_steps for _ in range(3)]
     assert steps == [1, 4, 1]
     assert d.scheduler.num_preemptions == 0 and d.outputs["a"] == d.outputs["b"] == generate([5, 6, 7], 6, 1000)
+
+
+def test_the_setting_is_described_for_the_log():
+    assert describe_plan_steps(0) == f"auto (as many as fit in {PLAN_SECONDS * 1000:g} ms, at most {MAX_PLAN_STEPS})"
+    assert describe_plan_steps(1) == "1"
