@@ -38,6 +38,7 @@ class Group:
     model: str
     log_dir: pathlib.Path
     worker_args: list[str] = field(default_factory=list)
+    scheduler_args: list[str] = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -52,7 +53,7 @@ class Group:
         worker = ["worker", "--model", self.model, *WORKER_ARGS, *self.worker_args]
         worker += ["--worker-port", str(p["worker"]), "--worker-metrics-port", str(p["worker_m"])]
         self.procs["worker"] = _start(worker, self.log_dir / f"{self.name}-worker.log")
-        scheduler = ["scheduler", "--worker-addr", f"127.0.0.1:{p['worker']}"]
+        scheduler = ["scheduler", "--worker-addr", f"127.0.0.1:{p['worker']}", *self.scheduler_args]
         scheduler += ["--scheduler-port", str(p["scheduler"]), "--scheduler-metrics-port", str(p["scheduler_m"])]
         self.procs["scheduler"] = _start(scheduler, self.log_dir / f"{self.name}-scheduler.log")
         return self

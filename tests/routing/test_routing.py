@@ -26,7 +26,10 @@ def deployment(tmp_path_factory):
     save_tiny_model(model)
     save_tiny_tokenizer(model)
     logs = tmp_path_factory.mktemp("routing-logs")
-    groups = [Group(name, model, logs, ["--kv-cache-memory", "4MiB"]).start() for name in ("g0", "g1")]
+    # One plan per step: the long request of the killed-group test must stay in flight long enough to be seen
+    # running, and plans of 8 steps run the tiny model's ~190 tokens in a fraction of a second.
+    one_step = ["--num-scheduler-steps", "1"]
+    groups = [Group(name, model, logs, ["--kv-cache-memory", "4MiB"], one_step).start() for name in ("g0", "g1")]
     frontends = []
     try:
         addrs = [g.addr for g in groups]
