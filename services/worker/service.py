@@ -73,7 +73,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 core.check_plan(plan)
                 scheduled = states.apply(plan)
                 spans.start(plan.new_requests)
-                spans.step(scheduled)
+                spans.step(scheduled, max(plan.num_steps, 1))
                 rows, num_failed = await loop.run_in_executor(self.model_thread, core.execute, plan, scheduled)
                 seconds = time.perf_counter() - started
                 if self.metrics is not None:
@@ -131,15 +131,16 @@ class _RequestSpans:
             if span.is_recording():
                 self.num_steps[new.request_id] = 0
 
-    def step(self, scheduled: list[RequestState]) -> None:
-        """Call with the step's requests before it runs (their tokens to compute are set, not yet computed)."""
+    def step(self, scheduled: list[RequestState], num_steps: int = 1) -> None:
+        """Call with a plan's requests before it runs (their tokens to compute are set, not yet computed); a plan
+        of several decode steps counts that many."""
         if not self.num_steps:
             return
         for state in scheduled:
             count = self.num_steps.get(state.request_id)
             if count is None:
                 continue
-            self.num_steps[state.request_id] = count + 1
+            self.num_steps[state.request_id] = count + num_steps
             if state.num_scheduled_tokens > 1:
                 attributes = {
                     "kvgrid.num_tokens": state.num_scheduled_tokens,
