@@ -94,7 +94,7 @@ def run_worker(core, config, shape: Shape) -> tuple[int, float]:
         plan = plan_to_proto(out)
         started = time.perf_counter()
         rows, _ = core.execute(plan, states.apply(plan))
-        scheduler.record_step_seconds(out, time.perf_counter() - started)
+        scheduler.plan_steps.record(out, time.perf_counter() - started)
         results = scheduler.update_from_output(out, [(r.request.request_id, r.token_id, None) for r in rows])
         produced += len(results)
         in_flight -= sum(r.finish is not None for r in results)

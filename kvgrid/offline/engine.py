@@ -55,7 +55,7 @@ class OfflineEngine:
         self.core.check_plan(plan)
         started = time.perf_counter()
         rows, num_failed = self.core.execute(plan, self.states.apply(plan))
-        self.scheduler.record_step_seconds(out, time.perf_counter() - started)
+        self.scheduler.plan_steps.record(out, time.perf_counter() - started)
         if num_failed:
             self.scheduler.tiers.record_failed_loads(num_failed, out.kv_loads())
         self.num_steps += out.num_steps

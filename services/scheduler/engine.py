@@ -31,6 +31,7 @@ from kvgrid.v1 import scheduler_pb2, worker_pb2
 from services.common.config import Config
 from services.common.errors import ResourceExhausted, Unavailable
 from services.common.metrics import SchedulerMetrics
+from services.scheduler import plan_steps
 from services.scheduler.admission import AdmissionLimits, admit
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.convert import plan_to_proto, sampled_from_proto
@@ -39,13 +40,7 @@ from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_events import KvEventLog
 from services.scheduler.kv_tiers import build_tiers
 from services.scheduler.request import Request
-from services.scheduler.scheduler import (
-    Scheduler,
-    SchedulerLimits,
-    SchedulerOutput,
-    WorkerProtocolError,
-    describe_plan_steps,
-)
+from services.scheduler.scheduler import Scheduler, SchedulerLimits, SchedulerOutput, WorkerProtocolError
 from services.scheduler.streams import RequestStream
 from services.scheduler.worker_link import WorkerSession, connect
 
@@ -300,7 +295,7 @@ class Engine:
             info.num_blocks,
             info.block_size,
             self._core.max_seq_len,
-            describe_plan_steps(self.config.scheduler.num_scheduler_steps),
+            plan_steps.describe(self.config.scheduler.num_scheduler_steps),
         )
         self._on_ready(not self._draining)
         self._publish()
@@ -362,7 +357,7 @@ class Engine:
                 if result.step_id != out.step_id:
                     raise WorkerProtocolError(f"result for step {result.step_id}, expected {out.step_id}")
                 self._num_steps += out.num_steps
-                core.record_step_seconds(out, result.execute_seconds)
+                core.plan_steps.record(out, result.execute_seconds)
                 if result.num_kv_load_failed_tokens and core.tiers is not None:
                     core.tiers.record_failed_loads(result.num_kv_load_failed_tokens, out.kv_loads())
                 self._deliver(core.update_from_output(out, sampled_from_proto(result)))

@@ -17,17 +17,9 @@ token will end it by length. A stop found when the token arrives is one step
 late: the token sampled for that request in the step already planned is
 discarded in ``update_from_output``, never returned.
 
-Plans of several steps: when every running request decodes one token and none
-waits, a plan may stand for several decode steps (``SchedulerOutput.num_steps``,
-StepPlan.num_steps), the worker running the batch that many times. Each plan
-and result costs every process on the way a fixed amount (serializing, the
-stream, waking the event loops): at batch 1 on two CPU cores that was ~2 ms of
-CPU per 8 ms step. ``num_scheduler_steps`` fixes the count; 0 (auto) takes as
-many as fit in ``PLAN_SECONDS`` at the last decode step's time, so only short
-steps are grouped, and a request arriving meanwhile waits at most about that
-long for its prefill. The blocks of all the plan's tokens are allocated up
-front, and a request that stops within the plan (EOS, a stop token) drops the
-tokens sampled after its stop.
+Plans of several steps (``SchedulerOutput.num_steps``): while every running
+request decodes and none waits, a plan may stand for several decode steps; see
+``plan_steps``. A request that stops within one drops the tokens after its stop.
 """
 
 from __future__ import annotations
@@ -38,18 +30,9 @@ from typing import Any
 
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_tiers import KvTiers, TierBlock
+from services.scheduler.plan_steps import PlanSteps
 from services.scheduler.queues import make_waiting_queue
 from services.scheduler.request import Request, RequestStatus
-
-# num_scheduler_steps 0 (auto): plans of decode steps up to this long in all, of at most MAX_PLAN_STEPS steps.
-PLAN_SECONDS = 0.05
-MAX_PLAN_STEPS = 8
-
-
-def describe_plan_steps(num_scheduler_steps: int) -> str:
-    if num_scheduler_steps == 0:
-        return f"auto (as many as fit in {PLAN_SECONDS * 1000:g} ms, at most {MAX_PLAN_STEPS})"
-    return str(num_scheduler_steps)
 
 
 class WorkerProtocolError(RuntimeError):
@@ -63,7 +46,7 @@ class SchedulerLimits:
     # Longest sequence, prompt + output; a request reaching it finishes with "length".
     max_model_len: int
     policy: str = "fcfs"
-    # Decode steps a plan may stand for: a fixed count, or 0 for auto (see the module docstring).
+    # Decode steps a plan may stand for: a fixed count, or 0 for auto (see ``plan_steps``).
     num_scheduler_steps: int = 1
 
 
@@ -149,8 +132,8 @@ class Scheduler:
         self._next_arrival = 0
         self.step_id = 0
         self.num_preemptions = 0
-        # Seconds of the last decode-only step the worker reported (0: none yet); sizes auto plans.
-        self.decode_step_seconds = 0.0
+        # Sizes plans of several decode steps; callers report each plan's time to it (``PlanSteps.record``).
+        self.plan_steps = PlanSteps(limits.num_scheduler_steps)
 
     @property
     def num_running(self) -> int:
@@ -194,7 +177,7 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         # request_id -> plan, in scheduling order; a priority preemption may take one back out.
         planned: dict[str, RunningRequestPlan] = {}
-        steps = self._plan_steps()
+        steps = self.plan_steps.count(self.running, len(self.waiting), budget, self.max_seq_len)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -250,30 +233,6 @@ class Scheduler:
         if self.tiers is not None:
             out.kv_saves = self.tiers.take_saves()
         return out
-
-    def _plan_steps(self) -> int:
-        """Steps the next plan may stand for: 1 unless nothing waits and every running request decodes one token
-        (none with structured output); then ``num_scheduler_steps`` or the auto count, never past a request's
-        max_tokens or the longest sequence. A request whose token in flight ends it is not planned at all."""
-        limit = self.limits.num_scheduler_steps
-        if limit == 0:
-            seconds = self.decode_step_seconds
-            limit = min(MAX_PLAN_STEPS, int(PLAN_SECONDS / seconds)) if seconds > 0 else 1
-        if limit <= 1 or len(self.waiting) or len(self.running) > self.limits.max_num_batched_tokens:
-            return 1
-        for request in self.running:
-            known = len(request.all_token_ids) + request.num_output_placeholders
-            if known - request.num_computed_tokens != 1 or request.stop.structured:
-                return 1
-            left = min(request.stop.max_tokens - (known - request.num_prompt_tokens), self.max_seq_len - known)
-            if left > 0:
-                limit = min(limit, left)
-        return limit
-
-    def record_step_seconds(self, out: SchedulerOutput, seconds: float) -> None:
-        """The time the worker took for ``out``; a decode-only plan's per-step time sizes auto plans."""
-        if not out.new_requests and out.total_num_scheduled_tokens == len(out.running) > 0:
-            self.decode_step_seconds = seconds / out.num_steps
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_num_seqs:

@@ -72,12 +72,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 spans.end(plan.finished_ids)
                 core.check_plan(plan)
                 scheduled = states.apply(plan)
+                num_steps = max(plan.num_steps, 1)
                 spans.start(plan.new_requests)
-                spans.step(scheduled, max(plan.num_steps, 1))
+                spans.step(scheduled, num_steps)
                 rows, num_failed = await loop.run_in_executor(self.model_thread, core.execute, plan, scheduled)
                 seconds = time.perf_counter() - started
                 if self.metrics is not None:
-                    num_steps = max(plan.num_steps, 1)
                     for _ in range(num_steps):
                         self.metrics.step_seconds.observe(seconds / num_steps)
                 yield worker_pb2.StepResult(

@@ -51,8 +51,10 @@ class RequestStates:
         dropped = set(plan.finished_ids)
         seen: set[str] = set()
         num_steps = max(plan.num_steps, 1)
-        if num_steps > 1 and plan.new_requests:
-            raise InvalidArgument("num_steps", f"a plan of {num_steps} steps has new requests (only decodes repeat)")
+        if num_steps > 1 and (plan.new_requests or not plan.running):
+            raise InvalidArgument(
+                "num_steps", f"a plan of {num_steps} steps repeats running decodes only (it has new requests or none)"
+            )
         for new in plan.new_requests:
             self._check_new(new, dropped, seen)
         for run in plan.running:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from services.common.config import SchedulerConfig
+from services.scheduler.plan_steps import MAX_PLAN_STEPS, PLAN_SECONDS, describe
 from services.scheduler.request import RequestStatus
-from services.scheduler.scheduler import MAX_PLAN_STEPS, PLAN_SECONDS, describe_plan_steps
 from tests.scheduler.core import Driver, make_request, make_scheduler
 from tests.scheduler.fake_worker import generate, next_token
 
@@ -23,9 +24,9 @@ def test_auto_takes_as_many_steps_as_fit_the_plan_time_at_the_last_decode_step_s
     assert d.step()[0].num_steps == 1  # no decode step timed yet
     for seconds, steps in [(PLAN_SECONDS / 5, 5), (PLAN_SECONDS * 2, 1), (PLAN_SECONDS / 100, MAX_PLAN_STEPS)]:
         out = s.schedule()
-        s.record_step_seconds(out, seconds * out.num_steps)  # a plan's time is all its steps'
+        s.plan_steps.record(out, seconds * out.num_steps)  # a plan's time is all its steps'
         d.answer(out)
-        assert s.decode_step_seconds == seconds
+        assert s.plan_steps.decode_step_seconds == seconds
         assert d.step()[0].num_steps == steps
 
 
@@ -33,14 +34,14 @@ def test_a_prefill_step_s_time_does_not_size_plans():
     d = decoding(0)
     s = d.scheduler
     out = s.schedule()
-    s.record_step_seconds(out, PLAN_SECONDS / 4)
+    s.plan_steps.record(out, PLAN_SECONDS / 4)
     d.answer(out)
     s.add_request(make_request("b", list(range(10, 30)), max_tokens=30))
     prefill = s.schedule()
     assert prefill.new_requests and prefill.num_steps == 1  # something waited: one step
-    s.record_step_seconds(prefill, 10.0)
+    s.plan_steps.record(prefill, 10.0)
     d.answer(prefill)
-    assert s.decode_step_seconds == PLAN_SECONDS / 4 and d.step()[0].num_steps == 4
+    assert s.plan_steps.decode_step_seconds == PLAN_SECONDS / 4 and d.step()[0].num_steps == 4
 
 
 def test_plans_never_reach_past_max_tokens_and_give_the_model_s_tokens():
@@ -89,6 +90,8 @@ def test_a_pool_without_room_for_the_plan_s_tokens_plans_one_step_without_preemp
     assert d.scheduler.num_preemptions == 0 and d.outputs["a"] == d.outputs["b"] == generate([5, 6, 7], 6, 1000)
 
 
-def test_the_setting_is_described_for_the_log():
-    assert describe_plan_steps(0) == f"auto (as many as fit in {PLAN_SECONDS * 1000:g} ms, at most {MAX_PLAN_STEPS})"
-    assert describe_plan_steps(1) == "1"
+def test_the_flag_s_help_and_the_log_state_the_auto_rule_s_numbers():
+    rule = (f"{PLAN_SECONDS * 1000:g} ms", f"at most {MAX_PLAN_STEPS}")
+    help_text = SchedulerConfig.__dataclass_fields__["num_scheduler_steps"].metadata["help"]
+    assert all(part in help_text and part in describe(0) for part in rule), (help_text, describe(0))
+    assert describe(0).startswith("auto") and describe(3) == "3"

@@ -111,6 +111,7 @@ def test_a_plan_of_several_steps_needs_blocks_for_all_its_tokens():
     ("plan", "field"),
     [
         (worker_pb2.StepPlan(new_requests=[new("c", [1, 2], [4])], num_steps=2), "num_steps"),  # a new request
+        (worker_pb2.StepPlan(num_steps=10**9), "num_steps"),  # nothing to run (would loop over no request)
         (_run(2, [5], scheduled=2), "num_steps"),  # more than one token in a step
         (_run(30, list(range(1, 9))), "running.num_scheduled_tokens"),  # 33 tokens: past max_model_len
     ],
