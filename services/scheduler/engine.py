@@ -397,8 +397,11 @@ class Engine:
 
     def _record_plan(self, out: SchedulerOutput, schedule_seconds: float) -> None:
         m = self.metrics
-        m.schedule_seconds.observe(schedule_seconds)
-        m.step_batch_tokens.observe(out.total_num_scheduled_tokens)
+        # A plan of several decode steps counts as that many steps, as the worker's step histogram does,
+        # so per-step rates and sums stay what they were with one step per plan.
+        for _ in range(out.num_steps):
+            m.schedule_seconds.observe(schedule_seconds / out.num_steps)
+            m.step_batch_tokens.observe(out.total_num_scheduled_tokens)
         if out.preempted_ids:
             m.preemptions.inc(len(out.preempted_ids))
         if out.new_requests:

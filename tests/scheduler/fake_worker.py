@@ -73,7 +73,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     def __init__(self, config: FakeWorkerConfig):
         self.config = config
         self.errors: list[str] = []
-        self.num_steps = 0
+        self.num_steps = 0  # decode steps: a plan of several counts as that many
+        self.num_multi_step_plans = 0
         self.num_handshakes = 0
         # Set by a test to hold steps (the worker reads the plan, then waits before answering).
         self.gate = asyncio.Event()
@@ -116,7 +117,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             except AssertionError as e:
                 self.errors.append(f"step {plan.step_id}: {e}")
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"fake worker: {e}")
-            self.num_steps += 1
+            self.num_steps += max(plan.num_steps, 1)
+            self.num_multi_step_plans += plan.num_steps > 1
             yield result
 
 

@@ -39,9 +39,11 @@ async def _first_tokens(call, num: int = 1) -> list[int]:
     raise AssertionError("stream ended early")
 
 
-def test_concurrent_submits_finish_with_the_right_tokens():
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_concurrent_submits_finish_with_the_right_tokens(num_scheduler_steps):
     async def body():
-        async with stack(worker_kw={"num_blocks": 64, "block_size": 4, "eos_token_ids": (7,)}) as s:
+        worker = {"num_blocks": 64, "block_size": 4, "eos_token_ids": (7,)}
+        async with stack(worker_kw=worker, num_scheduler_steps=num_scheduler_steps) as s:
             system = list(range(100, 112))  # a shared "system prompt" of three full blocks
             prompts = [system + [200 + i] * (1 + i % 5) for i in range(12)]
             requests = [
@@ -62,7 +64,10 @@ def test_concurrent_submits_finish_with_the_right_tokens():
             assert _metric(s, "kvgrid_prefix_cache_hits_total") == stats.prefix_cache_hits
             assert _metric(s, "kvgrid_kv_blocks_total") == 64
             assert _metric(s, "kvgrid_num_requests_running") == 0 and _metric(s, "kvgrid_kv_cache_usage_ratio") == 0
-            assert _metric(s, "kvgrid_step_batch_tokens_count") == stats.num_steps
+            # A plan of several steps counts as that many steps in the per-step histograms.
+            assert _metric(s, "kvgrid_step_batch_tokens_count") == stats.num_steps == s.worker.worker.num_steps
+            assert _metric(s, "kvgrid_schedule_seconds_count") == stats.num_steps
+            assert (num_scheduler_steps > 1) == (s.worker.worker.num_multi_step_plans > 0)
             assert s.worker.worker.errors == []
 
     run(body())
