@@ -168,8 +168,9 @@ def attach_cpu_kernels(model: LlamaForCausalLM, choice: str, device: torch.devic
         return
     log.info(
         "steps run on the native CPU kernels (decodes: paged attention over the block tables at any batch size,"
-        " on its %s path)",
+        " on its %s path; prefill chunks: %s attention)",
         attention_path(),
+        model.native_path.prefill_path,
     )
 
 

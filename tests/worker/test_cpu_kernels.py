@@ -286,16 +286,28 @@ def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, n
             r.num_scheduled_tokens = 0
 
 
-def test_prefill_and_mixed_steps_equal_torch_path(tmp_path, dtype):
-    """Every step runs on the native kernels, attention aside: prompts in chunks, then a step of decodes,
-    a second chunk (queries after cached tokens) and a new prompt. The chunks attend through the
-    backend (SDPA), the decodes on the paged decode kernel; the native path writes the cache in its
-    rope kernel, never through the backend."""
+@pytest.fixture(params=["native", "sdpa"])
+def prefill_attention(request):
+    """How chunks attend: the native prefill kernel (CPUs with AVX-512F) or the backend's SDPA."""
+    if request.param == "native" and "avx512f" not in cpu_flags():
+        pytest.skip("the native prefill attention kernel needs AVX-512F")
+    return request.param
+
+
+def test_prefill_and_mixed_steps_equal_torch_path(tmp_path, dtype, prefill_attention):
+    """Every step runs on the native kernels: prompts in chunks, then a step of decodes, a second chunk
+    (queries after cached tokens) and a new prompt. The decodes take the paged decode kernel; the chunks
+    the native prefill kernel (straight over the block tables) or, without it, the backend (SDPA). The
+    native path writes the cache in its rope kernel, never through the backend."""
     dt, _ = dtype
     loaded = load_model(
         save_tiny_model(str(tmp_path)), dtype=str(dt).removeprefix("torch."), device="cpu", attention_backend="torch"
     )
     native = loaded.model.native_path
+    if prefill_attention == "sdpa":
+        native.prefill_lib = None
+    else:
+        assert native.prefill_lib is not None and native.prefill_path == "native (AVX-512)"
     runner = create_runner(loaded, block_size=4, num_blocks=60)
     g = torch.Generator().manual_seed(13)
     lengths = [5, 8, 11, 30, 14]
@@ -305,6 +317,10 @@ def test_prefill_and_mixed_steps_equal_torch_path(tmp_path, dtype):
     backend = loaded.model.layers[0].self_attn.backend
     calls = []
     backend.write_kv = lambda *args, write=backend.write_kv: calls.append("write_kv") or write(*args)
+    # Per layer, the decodes each kernel took: the prefill kernel's step (its decodes) or the backend's.
+    native.mixed_attention = lambda meta, num_decodes, *args, run=native.mixed_attention: (
+        calls.append(("native", num_decodes)) or run(meta, num_decodes, *args)
+    )
 
     def step(batch, query_lens, decodes):
         inputs = runner.prepare(batch)
@@ -314,9 +330,12 @@ def test_prefill_and_mixed_steps_equal_torch_path(tmp_path, dtype):
             expected = runner.compute_logits(inputs)
             calls.clear()
             loaded.model.set_native_path(native)  # rewrites the same cache slots, rounded its own way
-            backend.native_decode = lambda *args: calls.append(args[4]) or native.attention(*args)
+            backend.native_decode = lambda *args: calls.append(("sdpa", args[4])) or native.attention(*args)
             ours = runner.compute_logits(inputs)
-        assert calls == [decodes] * loaded.args.num_layers if decodes else calls == []
+        if prefill_attention == "native":
+            assert calls == [("native", decodes)] * loaded.args.num_layers
+        else:
+            assert calls == [("sdpa", decodes)] * loaded.args.num_layers if decodes else calls == []
         torch.testing.assert_close(ours.float(), expected.float(), **TOLERANCE[dt])
         for r in batch:
             r.num_computed_tokens += r.num_scheduled_tokens

@@ -1,9 +1,12 @@
 """Builds the native CPU kernels once per source version, and loads them with ctypes.
 
-Two shared libraries, each from its C file (plus the shared ``scalar.h``):
+Three shared libraries, each from its C file (plus the shared ``scalar.h``):
 - ``decode_kernels.c``: the float32/bfloat16 step kernels, compiled for AVX2 and FMA (paged
   attention also with AVX-512, chosen at run time: ``ATTENTION_PATHS``); ``load`` raises
   ``NativeKernelsUnavailable`` on CPUs without AVX2 and FMA.
+- ``prefill_attention.c``: causal attention of prefill chunks over the paged cache, compiled for
+  AVX-512F; ``load_prefill`` raises ``NativeKernelsUnavailable`` on CPUs without it (prefill chunks
+  keep torch's SDPA there).
 - ``quant_kernels.c``: the quantized linear (``--quantization``), compiled for any x86-64 or
   other CPU, with AVX-512 VNNI and AVX2 inner loops chosen at run time (per-function target
   attributes); ``load_quant``, ``QUANT_PATHS``.
@@ -65,6 +68,16 @@ _SIGNATURES = {
     # x, y, n (the attention's exp, for the tests)
     "kvg_exp": (c_void_p, c_void_p, c_int64),
 }
+_PREFILL_SIGNATURES = {
+    "kvp_set_num_threads": (c_int,),
+    # q, ldq, k_cache, v_cache, block_tables, ldt, seq_lens, query_start, out, ldo, B, H, KV, D, block_size, scale,
+    # dtype
+    "kvp_prefill_attention": (
+        (c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64)
+        + (c_int,) * 5
+        + (c_float, c_int)
+    ),
+}
 _QUANT_SIGNATURES = {
     "kvq_set_num_threads": (c_int,),
     # x, w, scales, bias, y, ldy, M, N, K, format, dtype, accumulate
@@ -89,6 +102,7 @@ class Library:
 
 DECODE = Library(SOURCE, FLAGS, _SIGNATURES)
 QUANT = Library(HERE / "quant_kernels.c", COMMON, _QUANT_SIGNATURES)
+PREFILL = Library(HERE / "prefill_attention.c", (*FLAGS, "-mavx512f"), _PREFILL_SIGNATURES)
 
 
 class NativeKernelsUnavailable(RuntimeError):
@@ -168,6 +182,18 @@ def select_attention_path(name: str) -> str:
     """Use paged decode attention's ``name`` path (of ATTENTION_PATHS), or the fastest below it this CPU
     has (tests force each one); returns the path now in use."""
     return ATTENTION_PATHS[load().kvg_select_attention_path(ATTENTION_PATHS.index(name))]
+
+
+@functools.cache
+def load_prefill() -> ctypes.CDLL:
+    """Prefill attention over the paged cache; raises NativeKernelsUnavailable on CPUs without AVX-512F."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise NativeKernelsUnavailable(f"the native kernels are for x86-64, this is {platform.machine()}")
+    if "avx512f" not in cpu_flags():
+        raise NativeKernelsUnavailable("this CPU lacks avx512f")
+    lib = _open(PREFILL)
+    lib.kvp_prefill_attention.restype = c_int
+    return lib
 
 
 @functools.cache
