@@ -7,7 +7,13 @@ task-safe; handlers update them directly.
 
 from __future__ import annotations
 
+import time
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+if TYPE_CHECKING:
+    from services.scheduler.scheduler import Scheduler, SchedulerOutput
 
 # LLM latencies span milliseconds (a decode step) to minutes (a long generation).
 TTFT_BUCKETS = (
@@ -177,6 +183,29 @@ class SchedulerMetrics(_Metrics):
     def kv_tier(self, name: str) -> Counter:
         return self._kv_tier[name]
 
+    def record_plan(self, out: SchedulerOutput, schedule_seconds: float, block_size: int) -> None:
+        """A plan about to be sent. One of several decode steps counts as that many steps, each with its share
+        of the time, as the worker's step histogram counts them."""
+        for _ in range(out.num_steps):
+            self.schedule_seconds.observe(schedule_seconds / out.num_steps)
+            self.step_batch_tokens.observe(out.total_num_scheduled_tokens)
+        if out.preempted_ids:
+            self.preemptions.inc(len(out.preempted_ids))
+        if out.new_requests:
+            now = time.monotonic()
+            for new in out.new_requests:
+                request = new.request
+                if request.num_preemptions == 0:
+                    self.queue_seconds.observe(now - request.arrival_time)
+                    self.prefix_queries.inc(request.num_prompt_tokens)
+                    self.prefix_hits.inc(new.num_computed_tokens - len(new.kv_loads) * block_size)
+
+    def record_state(self, core: Scheduler) -> None:
+        """The gauges after a step's result."""
+        self.num_running.set(core.num_running)
+        self.num_waiting.set(core.num_waiting)
+        self.kv_cache_usage.set(core.kv.usage)
+
 
 class WorkerMetrics(_Metrics):
     def __init__(self, model: str):
@@ -213,3 +242,8 @@ class WorkerMetrics(_Metrics):
     def set_profile(self, **kinds: int) -> None:
         for kind, value in kinds.items():
             self.profiled_memory.labels(model=self.model, kind=kind).set(value)
+
+    def record_step(self, seconds: float, num_steps: int) -> None:
+        """A plan's execute time: one of several decode steps counts as that many steps, each its share."""
+        for _ in range(num_steps):
+            self.step_seconds.observe(seconds / num_steps)

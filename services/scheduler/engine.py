@@ -342,7 +342,7 @@ class Engine:
                     if not out.is_empty:
                         plan = plan_to_proto(out)
                         if self.metrics is not None:
-                            self._record_plan(out, time.perf_counter() - started)
+                            self.metrics.record_plan(out, time.perf_counter() - started, core.kv.block_size)
                         await call.write(plan)
                         in_flight.append(out)
                         continue
@@ -362,7 +362,7 @@ class Engine:
                     core.tiers.record_failed_loads(result.num_kv_load_failed_tokens, out.kv_loads())
                 self._deliver(core.update_from_output(out, sampled_from_proto(result)))
                 if self.metrics is not None:
-                    self._record_state(core)
+                    self.metrics.record_state(core)
         finally:
             call.cancel()
 
@@ -388,30 +388,6 @@ class Engine:
         self._publish()
         for frontend in self.frontends:
             frontend.flush()
-
-    def _record_state(self, core: Scheduler) -> None:
-        m = self.metrics
-        m.num_running.set(core.num_running)
-        m.num_waiting.set(core.num_waiting)
-        m.kv_cache_usage.set(core.kv.usage)
-
-    def _record_plan(self, out: SchedulerOutput, schedule_seconds: float) -> None:
-        m = self.metrics
-        # A plan of several decode steps counts as that many steps, as the worker's step histogram does,
-        # so per-step rates and sums stay what they were with one step per plan.
-        for _ in range(out.num_steps):
-            m.schedule_seconds.observe(schedule_seconds / out.num_steps)
-            m.step_batch_tokens.observe(out.total_num_scheduled_tokens)
-        if out.preempted_ids:
-            m.preemptions.inc(len(out.preempted_ids))
-        if out.new_requests:
-            now = time.monotonic()
-            for new in out.new_requests:
-                request = new.request
-                if request.num_preemptions == 0:
-                    m.queue_seconds.observe(now - request.arrival_time)
-                    m.prefix_queries.inc(request.num_prompt_tokens)
-                    m.prefix_hits.inc(new.num_computed_tokens - len(new.kv_loads) * self._core.kv.block_size)
 
 
 def _describe(e: BaseException) -> str:

@@ -78,8 +78,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 rows, num_failed = await loop.run_in_executor(self.model_thread, core.execute, plan, scheduled)
                 seconds = time.perf_counter() - started
                 if self.metrics is not None:
-                    for _ in range(num_steps):
-                        self.metrics.step_seconds.observe(seconds / num_steps)
+                    self.metrics.record_step(seconds, num_steps)
                 yield worker_pb2.StepResult(
                     step_id=plan.step_id,
                     sampled=[_sampled(row) for row in rows],

@@ -41,6 +41,16 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
 
+    @property
+    def num_leading_decodes(self) -> int:
+        """Requests before the first with several new tokens (the runner puts decodes first)."""
+        count = 0
+        for q_len in self.query_lens_cpu:
+            if q_len != 1:
+                break
+            count += 1
+        return count
+
 
 class AttentionBackend(ABC):
     """Stateless attention math over a paged KV cache; one instance serves every layer."""

@@ -78,11 +78,7 @@ class _DecodePlan:
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype, gather: bool = True) -> _DecodePlan:
         """``gather``: False counts the decodes only (a native kernel reads the block tables itself)."""
-        num_seqs = 0
-        for q_len in meta.query_lens_cpu:
-            if q_len != 1:
-                break
-            num_seqs += 1
+        num_seqs = meta.num_leading_decodes
         if num_seqs == 0 or not gather:
             return cls(num_seqs, meta.slot_mapping[:0], meta.slot_mapping[:0].to(dtype), gather)
         max_blocks = -(-max(meta.seq_lens_cpu[:num_seqs]) // block_size)

@@ -215,13 +215,15 @@ static void task(const void *q, int64_t ldq, const void *k_cache, const void *v_
  * of q ([T, H, D], row stride ldq) and out (row stride ldo), and are its last q_len of seq_lens[b]
  * positions; each attends causally to its cache (block_tables: [B, ldt] int32) up to its own position.
  * Caches: [num_blocks, block_size, KV, D]. D: a multiple of 16 up to MAX_D; G = H / KV heads per KV
- * head; at most 8 of them (the library checks). Returns 0, or -1 when a work buffer could not be had.
+ * head; at most 8 of them. Returns 0; -1 when a work buffer could not be had; -2, computing nothing, for
+ * a shape it does not take.
  */
 int kvp_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache,
                           const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens,
                           const int32_t *query_start, void *out, int64_t ldo, int B, int H, int KV, int D,
                           int block_size, float scale, int dt) {
     const int G = H / KV;
+    if (KV < 1 || H % KV || G > 8 || D % 16 || D > MAX_D) return -2;
     int max_keys = 0, num_tasks = 0;
     for (int b = 0; b < B; b++) {
         max_keys = seq_lens[b] > max_keys ? seq_lens[b] : max_keys;

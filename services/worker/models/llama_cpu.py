@@ -37,6 +37,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _row(t: torch.Tensor, i: int) -> int:
+    """The address of row (or element, for 1-D) ``i`` of ``t``."""
+    return t.data_ptr() + i * t.stride(0) * t.element_size()
+
+
 class NativeCpuPath:
     """Holds the model's own modules (no weight copies); valid while the model keeps its parameters."""
 
@@ -151,10 +156,7 @@ class NativeCpuPath:
         num_decodes = 0  # a mixed step's leading run of decodes
         if backend is not None and self.prefill_lib is not None:
             self.prefill_lib.kvp_set_num_threads(torch.get_num_threads())
-            for q_len in meta.query_lens_cpu:
-                if q_len != 1:
-                    break
-                num_decodes += 1
+            num_decodes = meta.num_leading_decodes
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches, strict=True):
             attention, mlp = layer.self_attn, layer.mlp
             kc, vc = k_cache.data_ptr(), v_cache.data_ptr()
@@ -184,24 +186,25 @@ class NativeCpuPath:
         request (prefill chunks, any decode after one) on the prefill kernel, both straight over the
         block tables; out [T, H * D]."""
         H, KV, D, dt = self.heads, self.kv_heads, self.head_dim, self.code
-        width, block_size, es = qkv.stride(0), k_cache.shape[1], qkv.element_size()
-        q, kc, vc, o = qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr()
+        width, block_size = qkv.stride(0), k_cache.shape[1]
+        kc, vc = k_cache.data_ptr(), v_cache.data_ptr()
         tables, lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
-        table_width = tables.shape[1]
         if num_decodes:
             self.lib.kvg_decode_attention(
-                q, width, kc, vc, tables.data_ptr(), table_width, lens.data_ptr(), o, H * D, num_decodes, H, KV, D,
-                block_size, self.scale, dt,
+                qkv.data_ptr(), width, kc, vc, tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(),
+                H * D, num_decodes, H, KV, D, block_size, self.scale, dt,
             )  # fmt: skip
         rest = meta.num_seqs - num_decodes
         if rest:
-            failed = self.prefill_lib.kvp_prefill_attention(
-                q + num_decodes * width * es, width, kc, vc, tables.data_ptr() + num_decodes * table_width * 4,
-                table_width, lens.data_ptr() + num_decodes * 4, starts.data_ptr() + num_decodes * 4,
-                o + num_decodes * H * D * es, H * D, rest, H, KV, D, block_size, self.scale, dt,
+            status = self.prefill_lib.kvp_prefill_attention(
+                _row(qkv, num_decodes), width, kc, vc, _row(tables, num_decodes), tables.shape[1],
+                _row(lens, num_decodes), _row(starts, num_decodes), _row(out, num_decodes), H * D, rest, H, KV, D,
+                block_size, self.scale, dt,
             )  # fmt: skip
-            if failed:
+            if status == -1:
                 raise MemoryError("prefill attention could not allocate its work buffers")
+            if status:
+                raise ValueError(f"prefill attention does not take {H} heads over {KV} KV heads of {D}")
 
     def attention(
         self,
