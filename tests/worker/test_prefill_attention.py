@@ -97,10 +97,10 @@ def test_large_scores(lib):
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("H, KV, D", [(18, 1, 64), (4, 2, 24), (2, 1, 272), (5, 2, 64)])
+@pytest.mark.parametrize("H, KV, D", [(18, 1, 64), (4, 2, 24), (2, 1, 272), (5, 2, 64), (4, 0, 64)])
 def test_refuses_shapes_it_does_not_take(lib, H, KV, D):
-    """More than 8 query heads per KV head, head sizes not a multiple of 16 or past 256, uneven groups:
-    -2 before touching any buffer (all pointers here are null)."""
+    """More than 8 query heads per KV head, head sizes not a multiple of 16 or past 256, uneven groups, no KV
+    heads: -2 before touching any buffer (all pointers here are null)."""
     scratch = torch.zeros(2, dtype=torch.int32)
     status = lib.kvp_prefill_attention(
         None, 0, None, None, None, 0, scratch.data_ptr(), scratch.data_ptr(), None, 0, 1, H, KV, D, 16, 1.0, 0

@@ -222,8 +222,8 @@ int kvp_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const
                           const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens,
                           const int32_t *query_start, void *out, int64_t ldo, int B, int H, int KV, int D,
                           int block_size, float scale, int dt) {
+    if (KV < 1 || H % KV || H / KV > 8 || D % 16 || D > MAX_D) return -2;
     const int G = H / KV;
-    if (KV < 1 || H % KV || G > 8 || D % 16 || D > MAX_D) return -2;
     int max_keys = 0, num_tasks = 0;
     for (int b = 0; b < B; b++) {
         max_keys = seq_lens[b] > max_keys ? seq_lens[b] : max_keys;
@@ -231,7 +231,8 @@ int kvp_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const
     }
     int *tasks = malloc(sizeof(int) * 3 * (num_tasks > 0 ? num_tasks : 1));
     if (!tasks) return -1;
-    /* (sequence, first row, KV head), longest contexts first so that the last tasks are short. */
+    /* (sequence, first row, KV head); a sequence's later rows (longer contexts) first, so that its last
+       tasks to be taken are its short ones. */
     int i = 0;
     for (int b = 0; b < B; b++) {
         const int q_len = query_start[b + 1] - query_start[b];
