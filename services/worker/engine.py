@@ -168,9 +168,10 @@ def attach_cpu_kernels(model: LlamaForCausalLM, choice: str, device: torch.devic
         return
     log.info(
         "steps run on the native CPU kernels (decodes: paged attention over the block tables at any batch size,"
-        " on its %s path; prefill chunks: %s attention)",
+        " on its %s path; prefill chunks: %s attention; matmuls: %s)",
         attention_path(),
         model.native_path.prefill_path,
+        model.native_path.matmul_path(),
     )
 
 

@@ -12,10 +12,10 @@ from kvgrid.v1 import common_pb2
 from services.worker.attention.base import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.cpu_features import cpu_flags
+from services.worker.cpu_features import detect as detect_cpu
 from services.worker.cpu_kernels import library
 from services.worker.engine import create_runner, load_model
 from services.worker.loader import ModelLoadError
-from services.worker.models.llama_cpu import NATIVE_ROWS
 from services.worker.models.rope import apply_rotary, cos_sin_tables
 from services.worker.sampling_params import RequestSampling
 from tests.worker.tiny import request, run_logits, save_tiny_model
@@ -205,7 +205,8 @@ def decode_attention_case(lib, dt, code, seq_lens, heads, kv_heads, head_dim, qu
 
 @pytest.fixture(params=library.ATTENTION_PATHS)
 def attention_path(lib, request):
-    """Each vector width of paged decode attention this CPU has (AVX-512: head sizes 64 and 128)."""
+    """Each vector width of paged decode attention this CPU has (AVX-512: head sizes 64 and 128; AVX512-BF16:
+    those in bfloat16, float32 takes the AVX-512 path there)."""
     if library.select_attention_path(request.param) != request.param:
         library.select_attention_path(library.ATTENTION_PATHS[-1])
         pytest.skip(f"this CPU has no {request.param}")
@@ -214,18 +215,25 @@ def attention_path(lib, request):
 
 
 def test_attention_path_is_the_widest_the_cpu_has(lib):
-    widest = "avx512" if "avx512f" in cpu_flags() else "avx2"
-    assert library.select_attention_path("avx512") == widest
+    flags = cpu_flags()
+    widest = "avx2"
+    if "avx512f" in flags:
+        widest = "avx512-bf16" if {"avx512_bf16", "avx512bw"} <= flags else "avx512"
+    assert library.select_attention_path("avx512-bf16") == widest
     assert library.select_attention_path("avx2") == "avx2"
-    assert library.select_attention_path("avx512") == widest
+    assert library.select_attention_path("avx512") == min(widest, "avx512", key=library.ATTENTION_PATHS.index)
+    assert library.select_attention_path("avx512-bf16") == widest
+    assert library.attention_path() == widest
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim", [(9, 3, 64), (16, 1, 16), (4, 4, 40), (40, 2, 36), (8, 2, 128), (12, 12, 64)]
+    "heads,kv_heads,head_dim",
+    [(9, 3, 64), (16, 1, 16), (4, 4, 40), (40, 2, 36), (8, 2, 128), (12, 12, 64)],
 )
 def test_decode_attention_equals_torch_backend(lib, dtype, attention_path, heads, kv_heads, head_dim):
     """Sequences shorter than one 128-token chunk of the kernel and one split over three, in one batch;
-    a head size that is no multiple of 8, 20 query heads per KV head, and the head sizes AVX-512 takes."""
+    a head size that is no multiple of 8, 20 query heads per KV head, and the head sizes AVX-512 takes
+    (in bfloat16 on AVX512-BF16 CPUs: dot products of bfloat16 pairs)."""
     dt, code = dtype
     out, expected = decode_attention_case(lib, dt, code, [1, 5, 300, 16, 33], heads, kv_heads, head_dim)
     torch.testing.assert_close(out, expected, **TOLERANCE[dt])
@@ -249,7 +257,8 @@ def test_decode_attention_splits_short_batches_across_threads(lib, dtype, attent
 def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, num_requests):
     """Prefill in torch, then decode steps: native logits == torch logits, step by step.
 
-    20 requests take torch's GEMM for the matmuls (past NATIVE_ROWS) around native attention."""
+    3 requests take the native GEMV (at most ``gemv_rows``: 3 for bfloat16 with bfloat16 units, else 16); 20 take
+    torch's GEMM for the matmuls around native attention."""
     dt, _ = dtype
     path = save_tiny_model(str(tmp_path), kind, **overrides)
     loaded = load_model(path, dtype=str(dt).removeprefix("torch."), device="cpu", attention_backend="torch")
@@ -276,7 +285,7 @@ def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, n
             expected = runner.compute_logits(inputs)
             loaded.model.set_native_path(native)  # rewrites the same cache slots with the same values
             ours = runner.compute_logits(inputs)
-        if num_requests <= NATIVE_ROWS and loaded.model.logits_gemm is None:  # the native GEMV's: model dtype
+        if num_requests <= native.native_rows and loaded.model.logits_gemm is None:  # the native GEMV's: model dtype
             assert ours.dtype == dt
         torch.testing.assert_close(ours.float(), expected.float(), **TOLERANCE[dt])
         if dt == torch.float32:  # bf16 logits of a random tiny model tie within rounding
@@ -358,6 +367,13 @@ def test_engine_choice(tmp_path, monkeypatch, caplog):
     assert "native CPU kernels unavailable" in caplog.text and "float16" in caplog.text
     with pytest.raises(ModelLoadError, match="--cpu-kernels native: .*float16"):
         load_model(path, dtype="float16", device="cpu", cpu_kernels="native")
+
+    # bfloat16 weights take the native GEMV up to 3 rows where torch's GEMM has bfloat16 units to use, else 16.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="services.worker.engine"):
+        native = load_model(path, dtype="bfloat16", device="cpu", cpu_kernels="auto").model.native_path
+    rows = 3 if detect_cpu().bf16_units else 16
+    assert native.native_rows == rows and f"the native GEMV up to {rows} rows, torch's GEMM above" in caplog.text
 
     # No working compiler and nothing built yet.
     monkeypatch.setenv("KVGRID_CACHE_DIR", str(tmp_path / "cache"))

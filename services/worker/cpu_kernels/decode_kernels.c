@@ -10,7 +10,8 @@
  *
  * Numerics follow the torch path op for op: every value torch would hold in a tensor of the
  * model dtype is rounded to that dtype here at the same point (bfloat16: round to nearest
- * even); everything in between is float32. Only summation order differs.
+ * even); everything in between is float32. Only summation order differs, and, in bfloat16 on
+ * CPUs with AVX512-BF16, paged attention rounds its probabilities to bfloat16 (see there).
  *
  * dtype codes: see scalar.h. OpenMP is the process's runtime, torch's (same soname);
  * the thread count is set through kvg_set_num_threads, because an OpenMP thread count set with
@@ -533,19 +534,116 @@ __attribute__((target(AVX512_TARGET))) static void attention_chunk_avx512(
 #undef CHUNK16
 }
 
-enum { ATTENTION_AVX2 = 0, ATTENTION_AVX512 = 1 };
+/*
+ * bfloat16 caches on CPUs with AVX512-BF16, for D = 32 * NQ (head sizes 64 and 128): dot products
+ * of bfloat16 pairs (VDPBF16PS: two exact products added into a float32 lane), on the cache's and
+ * the query's own bits. The chunks above widen every bfloat16 to float32 before its multiply-add,
+ * once per query head. 64 sequences of 600 tokens (9 heads of 64 over 3 KV heads, cold cache,
+ * 2 cores): 1.2x the AVX-512 chunk (10.7 -> 13.0 GB/s; a plain read of the same rows in the same
+ * order: ~20). Keys: the query head's NQ vectors against SPAN keys, then the same reduction as
+ * the AVX-512 chunk. Values: the chunk's probabilities are rounded to bfloat16 (as torch's
+ * flash attention on CPU and vLLM's paged attention round them before the product with V), and
+ * two tokens go at once, their value rows interleaved element by element (vpunpck{l,h}wd) so that
+ * a lane's pair is (v_t[d], v_t+1[d]) against (p_t, p_t+1). The interleave puts element
+ * d = 8 * (i / 4) + i % 4 of a 32-element group in lane i of the low half (+ 4 in the high half);
+ * the output is put back in order at the end. Products are exact in float32 and sums float32, as
+ * above; what differs is the probabilities' rounding, the order of the sums and that VDPBF16PS
+ * flushes subnormals (below 1e-38) to zero. Tried and slower (0.85x): one pass over the values
+ * for all G heads of a KV head, sharing each pair's loads and interleave.
+ */
+#define BF16DOT_TARGET "avx2,fma,avx512f,avx512bw,avx512bf16"
+#define BF16DOT_FN __attribute__((target(BF16DOT_TARGET), always_inline)) static inline
+
+BF16DOT_FN __m512bh load32bh(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512((const void *)p); }
+
+BF16DOT_FN void attention_chunk_bf16dot(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                        const int32_t *table, int t0, int t1, int H, int KV, const int NQ,
+                                        int block_size, float scale, float *scores, float *part) {
+    const int D = 32 * NQ, n = t1 - t0, G = H / KV;
+    const int64_t row = (int64_t)KV * D;
+    int64_t rows[CHUNK];
+    for (int t = t0; t < t1; t += SPAN) span_rows(table, t, t1, block_size, row, rows + (t - t0));
+    for (int a = 0; a < AHEAD; a++) prefetch_span(k_cache, table, t0 + a * SPAN, t1, block_size, row, 2);
+    for (int t = t0; t < t1; t += SPAN) {
+        const int span = t1 - t < SPAN ? t1 - t : SPAN;
+        const int64_t *r = rows + (t - t0);
+        prefetch_span(k_cache, table, t + AHEAD * SPAN, t1, block_size, row, 2);
+        for (int h = 0; h < H; h++) {
+            const int64_t head = (int64_t)(h / G) * D;
+            __m512 acc[SPAN];
+            for (int i = 0; i < SPAN; i++) acc[i] = _mm512_setzero_ps();
+            for (int c = 0; c < NQ; c++) {
+                const __m512bh qv = load32bh(q + (int64_t)h * D + 32 * c);
+                for (int i = 0; i < SPAN; i++) acc[i] = _mm512_dpbf16_ps(acc[i], qv, load32bh(k_cache + r[i] + head + 32 * c));
+            }
+            __m256 folded[SPAN];
+            for (int i = 0; i < SPAN; i++) folded[i] = fold16(acc[i]);
+            float sums[SPAN];
+            _mm256_storeu_ps(sums, hsum8x8(folded));
+            for (int i = 0; i < span; i++) scores[h * CHUNK + (t - t0) + i] = sums[i] * scale;
+        }
+    }
+    for (int a = 0; a < AHEAD; a++) prefetch_span(v_cache, table, t0 + a * SPAN, t1, block_size, row, 2);
+    softmax_chunk(scores, n, H, D, part);  /* zero up to a whole span: an even count of tokens */
+    const int pairs = (n + SPAN - 1) / SPAN * SPAN / 2;
+    for (int h = 0; h < H; h++)  /* the probabilities are rounded 32 at a time: zeros up to 32 */
+        for (int t = 2 * pairs; t % 32; t++) scores[h * CHUNK + t] = 0.0f;
+    /* lane i of the low half holds element 8 * (i / 4) + i % 4, of the high half 4 more: where element j is */
+    const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i order_hi = _mm512_add_epi32(order, _mm512_set1_epi32(8));
+    for (int h = 0; h < H; h++) {
+        const int64_t head = (int64_t)(h / G) * D;
+        uint32_t weights[CHUNK / 2];  /* (p_t, p_t+1) as two bfloat16, rounded to nearest even */
+        const float *p = scores + h * CHUNK;
+        for (int i = 0; i < pairs; i += 16)
+            _mm512_storeu_si512((void *)(weights + i),
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 2 * i + 16), _mm512_loadu_ps(p + 2 * i)));
+        __m512 lo[4], hi[4];
+        for (int c = 0; c < NQ; c++) lo[c] = hi[c] = _mm512_setzero_ps();
+        for (int i = 0; i < pairs; i++) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)weights[i]);
+            const uint16_t *a = v_cache + rows[2 * i] + head, *b = v_cache + rows[2 * i + 1] + head;
+            for (int c = 0; c < NQ; c++) {
+                const __m512i va = _mm512_loadu_si512((const void *)(a + 32 * c));
+                const __m512i vb = _mm512_loadu_si512((const void *)(b + 32 * c));
+                lo[c] = _mm512_dpbf16_ps(lo[c], w, (__m512bh)_mm512_unpacklo_epi16(va, vb));
+                hi[c] = _mm512_dpbf16_ps(hi[c], w, (__m512bh)_mm512_unpackhi_epi16(va, vb));
+            }
+        }
+        float *out = part + (int64_t)h * (D + 2) + 2;
+        for (int c = 0; c < NQ; c++) {
+            _mm512_storeu_ps(out + 32 * c, _mm512_permutex2var_ps(lo[c], order, hi[c]));
+            _mm512_storeu_ps(out + 32 * c + 16, _mm512_permutex2var_ps(lo[c], order_hi, hi[c]));
+        }
+    }
+}
+
+__attribute__((target(BF16DOT_TARGET))) static void attention_chunk_bf16(
+    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int t0, int t1, int H,
+    int KV, int D, int block_size, float scale, float *scores, float *part) {
+    if (D == 64)
+        attention_chunk_bf16dot(q, k_cache, v_cache, table, t0, t1, H, KV, 2, block_size, scale, scores, part);
+    else
+        attention_chunk_bf16dot(q, k_cache, v_cache, table, t0, t1, H, KV, 4, block_size, scale, scores, part);
+}
+
+enum { ATTENTION_AVX2 = 0, ATTENTION_AVX512 = 1, ATTENTION_AVX512_BF16 = 2 };
 static int attention_path = -1; /* -1: not decided yet */
 
-/* The fastest attention path this CPU runs, at most want (tests force the AVX2 one). */
+/* The fastest attention path this CPU runs, at most want (tests force the slower ones). */
 int kvg_select_attention_path(int want) {
     __builtin_cpu_init();
-    const int best = __builtin_cpu_supports("avx512f") ? ATTENTION_AVX512 : ATTENTION_AVX2;
-    attention_path = want < best ? ATTENTION_AVX2 : best;
+    const int best = !__builtin_cpu_supports("avx512f") ? ATTENTION_AVX2
+                     : __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") ? ATTENTION_AVX512_BF16
+                                                                                               : ATTENTION_AVX512;
+    attention_path = want < best ? (want < 0 ? ATTENTION_AVX2 : want) : best;
     return attention_path;
 }
 
 /* The attention path in use: the fastest this CPU runs, unless a test chose another. */
-int kvg_attention_path(void) { return attention_path < 0 ? kvg_select_attention_path(ATTENTION_AVX512) : attention_path; }
+int kvg_attention_path(void) {
+    return attention_path < 0 ? kvg_select_attention_path(ATTENTION_AVX512_BF16) : attention_path;
+}
 /*
  * One new query token per sequence over its paged cache (decode).
  * q: [B, H, D] (row stride ldq), caches: [num_blocks, block_size, KV, D], block_tables: [B, ldt] int32,
@@ -558,7 +656,7 @@ int kvg_attention_path(void) { return attention_path < 0 ? kvg_select_attention_
 void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache,
                           const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, void *out, int64_t ldo,
                           int B, int H, int KV, int D, int block_size, float scale, int dt) {
-    if (attention_path < 0) kvg_select_attention_path(ATTENTION_AVX512);
+    if (attention_path < 0) kvg_select_attention_path(ATTENTION_AVX512_BF16);
     int max_len = 0;
     for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     int chunk = CHUNK;
@@ -583,9 +681,14 @@ void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const
                 for (int h = 0; h < H; h++) part[h * (D + 2)] = -INFINITY, part[h * (D + 2) + 1] = 0.0f;
                 continue;
             }
-            to_f32(q, b * ldq, qf, (int64_t)H * D, dt);
             const int32_t *table = block_tables + b * ldt;
-            if (attention_path == ATTENTION_AVX512 && (D == 64 || D == 128))
+            if (attention_path == ATTENTION_AVX512_BF16 && dt == BF16 && (D == 64 || D == 128)) {
+                attention_chunk_bf16((const uint16_t *)q + b * ldq, k_cache, v_cache, table, t0, t1, H, KV, D, block_size,
+                                     scale, scores, part);
+                continue;
+            }
+            to_f32(q, b * ldq, qf, (int64_t)H * D, dt);
+            if (attention_path >= ATTENTION_AVX512 && (D == 64 || D == 128))
                 attention_chunk_avx512(qf, k_cache, v_cache, table, t0, t1, H, KV, D, block_size, scale, scores, part, dt);
             else if (dt == BF16)
                 attention_chunk(qf, k_cache, v_cache, table, t0, t1, H, KV, D, block_size, scale, scores, part, BF16);

@@ -2,7 +2,7 @@
 
 Three shared libraries, each from its C file (plus the shared ``scalar.h``):
 - ``decode_kernels.c``: the float32/bfloat16 step kernels, compiled for AVX2 and FMA (paged
-  attention also with AVX-512, chosen at run time: ``ATTENTION_PATHS``); ``load`` raises
+  attention also with AVX-512 and AVX512-BF16, chosen at run time: ``ATTENTION_PATHS``); ``load`` raises
   ``NativeKernelsUnavailable`` on CPUs without AVX2 and FMA.
 - ``prefill_attention.c``: causal attention of prefill chunks over the paged cache, compiled for
   AVX-512F; ``load_prefill`` raises ``NativeKernelsUnavailable`` on CPUs without it (prefill chunks
@@ -41,7 +41,7 @@ COMMON = ("-O3", "-std=gnu11", "-fopenmp", "-shared", "-fPIC")
 FLAGS = (*COMMON, "-mavx2", "-mfma")
 DTYPE_CODES = {"float32": 0, "bfloat16": 1}  # see scalar.h
 # Paged decode attention's vector widths, slowest first (kvg_select_attention_path's codes, decode_kernels.c).
-ATTENTION_PATHS = ("avx2", "avx512")
+ATTENTION_PATHS = ("avx2", "avx512", "avx512-bf16")
 # The quantized linear's dot products, slowest first (kvq_select_path's codes, see quant_kernels.c).
 QUANT_PATHS = ("scalar", "avx2", "avx512-vnni")
 

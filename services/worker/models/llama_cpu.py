@@ -12,7 +12,8 @@ context); elsewhere prefill chunks attend through the attention backend (SDPA). 
 step (the native ones: ~3%). Matmuls pick their kernel by row count: float weights take the
 native GEMV for one row and MKL's GEMM on weights packed at load above (``Linear.gemm``, written
 straight into this path's buffers: 1.1x the GEMV at 2 rows, 1.4x at 12); without those, the
-native GEMV up to ``NATIVE_ROWS`` rows and torch's GEMM above (compute-bound there, where MKL is
+native GEMV up to ``gemv_rows`` rows (16; 3 for bfloat16 where the CPU has bfloat16 units, which
+torch's GEMM uses and the GEMV does not) and torch's GEMM above (compute-bound there, where MKL is
 faster); packed weights (``--quantization``) take ``quant.matmul``. Same weights, same KV cache,
 same numerics op for op (see the C files).
 """
@@ -24,6 +25,7 @@ import ctypes
 import torch
 
 from ..attention.base import AttentionMetadata
+from ..cpu_features import detect as detect_cpu
 from ..cpu_kernels.library import DTYPE_CODES, NativeKernelsUnavailable, load_prefill, load_quant
 from ..quant.formats import FORMAT_CODES
 from ..quant.matmul import DEQUANTIZE_ROWS, linear_into, packed_linear
@@ -31,6 +33,15 @@ from ..quant.matmul import DEQUANTIZE_ROWS, linear_into, packed_linear
 # Float weights without a packed GEMM: rows up to which the native GEMV beats torch's GEMM. Measured on a 2-core AVX2
 # CPU against the torch path: bf16 1.7x at 8 requests, 1.4x at 16, 0.9x at 24; float32 1.2x at 24.
 NATIVE_ROWS = 16
+# bfloat16 on a CPU with bfloat16 dot products (AVX512-BF16, AMX), where torch's GEMM (oneDNN) uses them and the GEMV
+# (which widens to float32) does not. A layer's four products on 2 cores of an AVX512-BF16 EPYC, the GEMV against
+# torch: 2.4x at 1 row, 1.45x at 2, 1.4x at 3, 0.78x at 4, 0.54x at 8, 0.4x at 16.
+BF16_UNITS_NATIVE_ROWS = 3
+
+
+def gemv_rows(dtype: torch.dtype, bf16_units: bool) -> int:
+    """Rows up to which float weights without a packed GEMM take the native GEMV (above: torch's GEMM)."""
+    return BF16_UNITS_NATIVE_ROWS if dtype == torch.bfloat16 and bf16_units else NATIVE_ROWS
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -45,7 +56,7 @@ def _row(t: torch.Tensor, i: int) -> int:
 class NativeCpuPath:
     """Holds the model's own modules (no weight copies); valid while the model keeps its parameters."""
 
-    def __init__(self, model, lib: ctypes.CDLL, native_rows: int = NATIVE_ROWS):
+    def __init__(self, model, lib: ctypes.CDLL, native_rows: int | None = None):
         a = model.args
         dtype = model.embed_tokens.weight.dtype
         dtype_name = str(dtype).removeprefix("torch.")
@@ -59,6 +70,8 @@ class NativeCpuPath:
         for p in model.parameters():
             if not p.is_contiguous() or p.device.type != "cpu":
                 raise ValueError("the native CPU kernels need contiguous CPU weights")
+        if native_rows is None:
+            native_rows = gemv_rows(dtype, detect_cpu().bf16_units)
         self.lib, self.model, self.native_rows = lib, model, native_rows
         self.prefill_lib, self.prefill_path = _prefill_kernel(a.head_dim, a.num_heads // a.num_kv_heads)
         self.dtype, self.code = dtype, DTYPE_CODES[dtype_name]
@@ -84,6 +97,14 @@ class NativeCpuPath:
         if self._spare.numel() < rows * width:
             self._spare = torch.empty(rows * width, dtype=self.dtype)
         return self._spare[: rows * width].view(rows, width)
+
+    def matmul_path(self) -> str:
+        """Which kernels the matmuls take by row count, for the log."""
+        if self.model.logits_module.packed is not None:
+            return "packed weights through the quantized linear (see the CPU line)"
+        if self.model.logits_gemm is not None:
+            return "the native GEMV at 1 row, MKL's GEMM on packed weights above"
+        return f"the native GEMV up to {self.native_rows} rows, torch's GEMM above"
 
     def linear(self, module, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
         """out (+)= module(x), out's rows possibly strided: the kernel for this row count and weight."""
