@@ -127,10 +127,13 @@ def test_silu_mul(lib, dtype, two_threads, rows, width):
 
 
 @pytest.mark.parametrize("rows", [3, 12])
-def test_rope_and_cache_write(lib, dtype, two_threads, rows):
-    """A few rows, and enough to split across threads."""
+@pytest.mark.parametrize("head_dim", [16, 36])
+def test_rope_and_cache_write(lib, dtype, two_threads, rows, head_dim):
+    """A few rows, and enough to split across threads; halves of 8 (vectors) and 18 (the scalar loop).
+    float32: bitwise Hugging Face's ``x * cos + rotate_half(x) * sin``, each product rounded before the
+    add (torch.addcmul, in the torch path, fuses one of them on this CPU)."""
     dt, code = dtype
-    heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
+    heads, kv_heads, block_size = 4, 2, 4
     width = (heads + 2 * kv_heads) * head_dim
     qkv = randn(rows, width, dtype=dt, seed=10)
     cos, sin = cos_sin_tables(head_dim, 10000.0, {}, 64, dt, torch.device("cpu"))
@@ -140,6 +143,7 @@ def test_rope_and_cache_write(lib, dtype, two_threads, rows):
 
     qk = qkv[:, : (heads + kv_heads) * head_dim].view(rows, -1, head_dim)
     expected_qk = apply_rotary(qk, cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    qk_before = qk.clone()
     expected_v = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim).clone()
 
     lib.kvg_rope_write_kv(
@@ -147,6 +151,10 @@ def test_rope_and_cache_write(lib, dtype, two_threads, rows):
         k_cache.data_ptr(), v_cache.data_ptr(), rows, heads, kv_heads, head_dim, code,
     )  # fmt: skip
     torch.testing.assert_close(qk, expected_qk, **TOLERANCE[dt])
+    if dt == torch.float32:
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        swapped = torch.cat((qk_before[..., head_dim // 2 :], qk_before[..., : head_dim // 2]), -1)  # sin has the sign
+        assert torch.equal(qk, qk_before * c + swapped * s)
     flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
     torch.testing.assert_close(flat_k[slots], expected_qk[:, heads:], **TOLERANCE[dt])
     assert torch.equal(flat_v[slots], expected_v)
@@ -257,7 +265,7 @@ def test_decode_attention_splits_short_batches_across_threads(lib, dtype, attent
 def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, num_requests):
     """Prefill in torch, then decode steps: native logits == torch logits, step by step.
 
-    3 requests take the native GEMV (at most ``gemv_rows``: 3 for bfloat16 with bfloat16 units, else 16); 20 take
+    3 requests take the native GEMV (at most ``gemv_rows``: 4 for bfloat16 with bfloat16 units, else 16); 20 take
     torch's GEMM for the matmuls around native attention."""
     dt, _ = dtype
     path = save_tiny_model(str(tmp_path), kind, **overrides)
@@ -368,11 +376,11 @@ def test_engine_choice(tmp_path, monkeypatch, caplog):
     with pytest.raises(ModelLoadError, match="--cpu-kernels native: .*float16"):
         load_model(path, dtype="float16", device="cpu", cpu_kernels="native")
 
-    # bfloat16 weights take the native GEMV up to 3 rows where torch's GEMM has bfloat16 units to use, else 16.
+    # bfloat16 weights take the native GEMV up to 4 rows where torch's GEMM has bfloat16 units to use, else 16.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="services.worker.engine"):
         native = load_model(path, dtype="bfloat16", device="cpu", cpu_kernels="auto").model.native_path
-    rows = 3 if detect_cpu().bf16_units else 16
+    rows = 4 if detect_cpu().bf16_units else 16
     assert native.native_rows == rows and f"the native GEMV up to {rows} rows, torch's GEMM above" in caplog.text
 
     # No working compiler and nothing built yet.

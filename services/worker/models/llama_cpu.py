@@ -12,7 +12,7 @@ context); elsewhere prefill chunks attend through the attention backend (SDPA). 
 step (the native ones: ~3%). Matmuls pick their kernel by row count: float weights take the
 native GEMV for one row and MKL's GEMM on weights packed at load above (``Linear.gemm``, written
 straight into this path's buffers: 1.1x the GEMV at 2 rows, 1.4x at 12); without those, the
-native GEMV up to ``gemv_rows`` rows (16; 3 for bfloat16 where the CPU has bfloat16 units, which
+native GEMV up to ``gemv_rows`` rows (16; 4 for bfloat16 where the CPU has bfloat16 units, which
 torch's GEMM uses and the GEMV does not) and torch's GEMM above (compute-bound there, where MKL is
 faster); packed weights (``--quantization``) take ``quant.matmul``. Same weights, same KV cache,
 same numerics op for op (see the C files).
@@ -34,9 +34,9 @@ from ..quant.matmul import DEQUANTIZE_ROWS, linear_into, packed_linear
 # CPU against the torch path: bf16 1.7x at 8 requests, 1.4x at 16, 0.9x at 24; float32 1.2x at 24.
 NATIVE_ROWS = 16
 # bfloat16 on a CPU with bfloat16 dot products (AVX512-BF16, AMX), where torch's GEMM (oneDNN) uses them and the GEMV
-# (which widens to float32) does not. A layer's four products on 2 cores of an AVX512-BF16 EPYC, the GEMV against
-# torch: 2.4x at 1 row, 1.45x at 2, 1.4x at 3, 0.78x at 4, 0.54x at 8, 0.4x at 16.
-BF16_UNITS_NATIVE_ROWS = 3
+# (which widens to float32) does not. The model's layer weights, cold, on 2 cores of an AVX512-BF16 EPYC, the GEMV
+# against torch: 1.28x at 2 rows, 1.21x at 3, 1.11x at 4, 0.93x at 5, 0.72x at 8 (the LM head alone: 0.89x at 4).
+BF16_UNITS_NATIVE_ROWS = 4
 
 
 def gemv_rows(dtype: torch.dtype, bf16_units: bool) -> int:
