@@ -1,8 +1,7 @@
-"""The native CPU decode kernels equal the torch ops they replace, one by one and as a whole model."""
+"""The native CPU decode kernels equal the torch ops they replace, one by one (as a whole model:
+test_native_path.py)."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -12,13 +11,11 @@ from kvgrid.v1 import common_pb2
 from services.worker.attention.base import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend
 from services.worker.cpu_features import cpu_flags
-from services.worker.cpu_features import detect as detect_cpu
 from services.worker.cpu_kernels import library
 from services.worker.engine import create_runner, load_model
-from services.worker.loader import ModelLoadError
 from services.worker.models.rope import apply_rotary, cos_sin_tables
 from services.worker.sampling_params import RequestSampling
-from tests.worker.tiny import request, run_logits, save_tiny_model
+from tests.worker.tiny import save_tiny_model
 
 DTYPES = {"float32": (torch.float32, 0), "bfloat16": (torch.bfloat16, 1)}
 # bf16: the kernels round where torch does, but sum in another order; allow one bf16 step either way.
@@ -235,8 +232,7 @@ def test_attention_path_is_the_widest_the_cpu_has(lib):
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim",
-    [(9, 3, 64), (16, 1, 16), (4, 4, 40), (40, 2, 36), (8, 2, 128), (12, 12, 64)],
+    "heads,kv_heads,head_dim", [(9, 3, 64), (16, 1, 16), (4, 4, 40), (40, 2, 36), (8, 2, 128), (12, 12, 64)]
 )
 def test_decode_attention_equals_torch_backend(lib, dtype, attention_path, heads, kv_heads, head_dim):
     """Sequences shorter than one 128-token chunk of the kernel and one split over three, in one batch;
@@ -258,141 +254,6 @@ def test_decode_attention_splits_short_batches_across_threads(lib, dtype, attent
     finally:
         lib.kvg_set_num_threads(1)
     torch.testing.assert_close(out, expected, **TOLERANCE[dt])
-
-
-@pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {"tie_word_embeddings": True})])
-@pytest.mark.parametrize("num_requests", [3, 20])
-def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, num_requests):
-    """Prefill in torch, then decode steps: native logits == torch logits, step by step.
-
-    3 requests take the native GEMV (at most ``gemv_rows``: 4 for bfloat16 with bfloat16 units, else 16); 20 take
-    torch's GEMM for the matmuls around native attention."""
-    dt, _ = dtype
-    path = save_tiny_model(str(tmp_path), kind, **overrides)
-    loaded = load_model(path, dtype=str(dt).removeprefix("torch."), device="cpu", attention_backend="torch")
-    native = loaded.model.native_path
-    assert native is not None, "auto should attach the native kernels on an AVX2 CPU with a C compiler"
-    num_blocks = 6 * num_requests
-    runner = create_runner(loaded, block_size=4, num_blocks=num_blocks)
-    g = torch.Generator().manual_seed(12)
-    lengths = [3 + (5 * i) % 12 for i in range(num_requests)]
-    blocks = [list(range(i, num_blocks, num_requests)) for i in range(num_requests)]  # interleaved blocks
-    requests = [
-        request(f"r{i}", torch.randint(0, 160, (n,), generator=g).tolist(), blocks[i], 0, n)
-        for i, n in enumerate(lengths)
-    ]
-    loaded.model.set_native_path(None)
-    run_logits(runner, requests)  # prefill on the torch path
-    for _step in range(6):
-        for r in requests:
-            r.token_ids.append(int(torch.randint(0, 160, (1,), generator=g)))
-            r.num_scheduled_tokens = 1
-        inputs = runner.prepare(requests)
-        with torch.inference_mode():
-            loaded.model.set_native_path(None)
-            expected = runner.compute_logits(inputs)
-            loaded.model.set_native_path(native)  # rewrites the same cache slots with the same values
-            ours = runner.compute_logits(inputs)
-        if num_requests <= native.native_rows and loaded.model.logits_gemm is None:  # the native GEMV's: model dtype
-            assert ours.dtype == dt
-        torch.testing.assert_close(ours.float(), expected.float(), **TOLERANCE[dt])
-        if dt == torch.float32:  # bf16 logits of a random tiny model tie within rounding
-            assert torch.equal(ours.argmax(-1), expected.argmax(-1))
-        for r in requests:
-            r.num_computed_tokens += 1
-            r.num_scheduled_tokens = 0
-
-
-@pytest.fixture(params=["native", "sdpa"])
-def prefill_attention(request):
-    """How chunks attend: the native prefill kernel (CPUs with AVX-512F) or the backend's SDPA."""
-    if request.param == "native" and "avx512f" not in cpu_flags():
-        pytest.skip("the native prefill attention kernel needs AVX-512F")
-    return request.param
-
-
-def test_prefill_and_mixed_steps_equal_torch_path(tmp_path, dtype, prefill_attention):
-    """Every step runs on the native kernels: prompts in chunks, then a step of decodes, a second chunk
-    (queries after cached tokens) and a new prompt. The decodes take the paged decode kernel; the chunks
-    the native prefill kernel (straight over the block tables) or, without it, the backend (SDPA). The
-    native path writes the cache in its rope kernel, never through the backend."""
-    dt, _ = dtype
-    loaded = load_model(
-        save_tiny_model(str(tmp_path)), dtype=str(dt).removeprefix("torch."), device="cpu", attention_backend="torch"
-    )
-    native = loaded.model.native_path
-    if prefill_attention == "sdpa":
-        native.prefill_lib = None
-    else:
-        assert native.prefill_lib is not None and native.prefill_path == "native (AVX-512)"
-    runner = create_runner(loaded, block_size=4, num_blocks=60)
-    g = torch.Generator().manual_seed(13)
-    lengths = [5, 8, 11, 30, 14]
-    requests = [request(f"r{i}", torch.randint(0, 160, (n,), generator=g).tolist(), list(range(i, 60, 5)), 0, n)
-                for i, n in enumerate(lengths)]  # fmt: skip
-    requests[3].num_scheduled_tokens = 12  # the long prompt in two chunks
-    backend = loaded.model.layers[0].self_attn.backend
-    calls = []
-    backend.write_kv = lambda *args, write=backend.write_kv: calls.append("write_kv") or write(*args)
-    # Per layer, the decodes each kernel took: the prefill kernel's step (its decodes) or the backend's.
-    native.mixed_attention = lambda meta, num_decodes, *args, run=native.mixed_attention: (
-        calls.append(("native", num_decodes)) or run(meta, num_decodes, *args)
-    )
-
-    def step(batch, query_lens, decodes):
-        inputs = runner.prepare(batch)
-        assert inputs.meta.query_lens_cpu == query_lens
-        with torch.inference_mode():
-            loaded.model.set_native_path(None)
-            expected = runner.compute_logits(inputs)
-            calls.clear()
-            loaded.model.set_native_path(native)  # rewrites the same cache slots, rounded its own way
-            backend.native_decode = lambda *args: calls.append(("sdpa", args[4])) or native.attention(*args)
-            ours = runner.compute_logits(inputs)
-        if prefill_attention == "native":
-            assert calls == [("native", decodes)] * loaded.args.num_layers
-        else:
-            assert calls == [("sdpa", decodes)] * loaded.args.num_layers if decodes else calls == []
-        torch.testing.assert_close(ours.float(), expected.float(), **TOLERANCE[dt])
-        for r in batch:
-            r.num_computed_tokens += r.num_scheduled_tokens
-            r.num_scheduled_tokens = 0
-
-    step(requests[:4], [5, 8, 11, 12], decodes=0)  # prompts only
-    for r in requests[:3]:
-        r.token_ids.append(int(torch.randint(0, 160, (1,), generator=g)))
-        r.num_scheduled_tokens = 1
-    requests[3].num_scheduled_tokens = 18
-    step(requests, [1, 1, 1, 18, 14], decodes=3)  # three decodes, the long prompt's second chunk, a new prompt
-
-
-def test_engine_choice(tmp_path, monkeypatch, caplog):
-    path = save_tiny_model(str(tmp_path / "m"))
-    assert load_model(path, dtype="float32", device="cpu", cpu_kernels="torch").model.native_path is None
-    # float16 is not a dtype the kernels take: auto says why and keeps torch, native refuses to start.
-    with caplog.at_level(logging.INFO, logger="services.worker.engine"):
-        assert load_model(path, dtype="float16", device="cpu", cpu_kernels="auto").model.native_path is None
-    assert "native CPU kernels unavailable" in caplog.text and "float16" in caplog.text
-    with pytest.raises(ModelLoadError, match="--cpu-kernels native: .*float16"):
-        load_model(path, dtype="float16", device="cpu", cpu_kernels="native")
-
-    # bfloat16 weights take the native GEMV up to 4 rows where torch's GEMM has bfloat16 units to use, else 16.
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="services.worker.engine"):
-        native = load_model(path, dtype="bfloat16", device="cpu", cpu_kernels="auto").model.native_path
-    rows = 4 if detect_cpu().bf16_units else 16
-    assert native.native_rows == rows and f"the native GEMV up to {rows} rows, torch's GEMM above" in caplog.text
-
-    # No working compiler and nothing built yet.
-    monkeypatch.setenv("KVGRID_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("CC", "false")
-    library.load.cache_clear()
-    try:
-        with pytest.raises(ModelLoadError, match="--cpu-kernels native: false failed to build decode_kernels.c"):
-            load_model(path, dtype="float32", device="cpu", cpu_kernels="native")
-        assert load_model(path, dtype="float32", device="cpu", cpu_kernels="auto").model.native_path is None
-    finally:
-        library.load.cache_clear()
 
 
 def test_build_is_cached_per_source(tmp_path, monkeypatch):

@@ -81,7 +81,7 @@ INLINE void dot_rows(const float *x, const void *w, int64_t n0, int64_t K, int d
     int64_t k = 0;
     /* bfloat16 rows are short streams (1152 bytes at K = 576) that the hardware prefetchers pick up
      * late: the next group's rows are asked for, a line per 32 elements. Cold weights of a whole
-     * model on 2 cores: 1.2x at 1 row, 1.3-1.4x at 2-3; float32 was no faster with it. */
+     * model on 2 cores: 1.1-1.3x at 1 row, 1.3-1.5x at 2-3; float32 was no faster with it. */
     const char *next = (const char *)w + (r3 + K) * 2;
     for (; k + 8 <= K; k += 8) {
         if (dt == BF16 && k % 32 == 0)

@@ -56,7 +56,7 @@ def _row(t: torch.Tensor, i: int) -> int:
 class NativeCpuPath:
     """Holds the model's own modules (no weight copies); valid while the model keeps its parameters."""
 
-    def __init__(self, model, lib: ctypes.CDLL, native_rows: int | None = None):
+    def __init__(self, model, lib: ctypes.CDLL):
         a = model.args
         dtype = model.embed_tokens.weight.dtype
         dtype_name = str(dtype).removeprefix("torch.")
@@ -70,9 +70,8 @@ class NativeCpuPath:
         for p in model.parameters():
             if not p.is_contiguous() or p.device.type != "cpu":
                 raise ValueError("the native CPU kernels need contiguous CPU weights")
-        if native_rows is None:
-            native_rows = gemv_rows(dtype, detect_cpu().bf16_units)
-        self.lib, self.model, self.native_rows = lib, model, native_rows
+        self.lib, self.model = lib, model
+        self.native_rows = gemv_rows(dtype, detect_cpu().bf16_units)
         self.prefill_lib, self.prefill_path = _prefill_kernel(a.head_dim, a.num_heads // a.num_kv_heads)
         self.dtype, self.code = dtype, DTYPE_CODES[dtype_name]
         self.hidden, self.intermediate = a.hidden_size, a.intermediate_size
