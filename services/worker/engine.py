@@ -125,7 +125,7 @@ def load_model(
         log.info("%s weights are multiplied in float32: this CPU has no bfloat16 units", torch_dtype)
     model.set_upcast_matmuls(upcast_matmuls)
     if torch_device.type == "cpu":
-        log.info("float32 GEMMs: %s", model.set_packed_gemms())
+        log.info("packed GEMMs: %s", model.set_packed_gemms(bf16_units=detect_cpu().bf16_units))
     attach_cpu_kernels(model, cpu_kernels, torch_device, backend.name)
     if torch_device.type == "cpu":
         cpu = detect_cpu()

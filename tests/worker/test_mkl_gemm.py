@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from services.worker.cpu_kernels import mkl_gemm
 from services.worker.engine import create_runner, load_model
-from tests.worker.tiny import request, run_logits, save_tiny_model
+from tests.worker.tiny import drop_packed_gemms, request, run_logits, save_tiny_model
 
 pytestmark = pytest.mark.skipif(not mkl_gemm.available(), reason="this torch build has no MKL")
 
@@ -85,9 +85,7 @@ def test_model_packs_float32_weights_and_keeps_its_tokens(tmp_path, dtype):
         return torch.stack(list(run_logits(runner, requests).values()))
 
     packed = step_logits()
-    for m in linears:
-        m.gemm = None
-    model.logits_gemm = None
+    drop_packed_gemms(model)
     model.set_upcast_matmuls(dtype == "bfloat16")
     plain = step_logits()
     tolerance = {"atol": 2e-5, "rtol": 2e-5} if dtype == "float32" else {"atol": 1e-2, "rtol": 8e-3}
@@ -100,9 +98,6 @@ def test_model_over_the_limit_keeps_torch_products(tmp_path):
     path = save_tiny_model(str(tmp_path), "llama")
     loaded = load_model(path, dtype="float32", device="cpu", attention_backend="torch")
     model = loaded.model
-    for m in model.modules():
-        if getattr(m, "gemm", None) is not None:
-            m.gemm = None
-    model.logits_gemm = None
+    drop_packed_gemms(model)
     assert "over the" in model.set_packed_gemms(limit=1024)
     assert model.packed_gemm_bytes() == 0 and model.logits_gemm is None

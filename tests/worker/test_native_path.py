@@ -15,7 +15,7 @@ from services.worker.cpu_kernels import library
 from services.worker.engine import create_runner, load_model
 from services.worker.loader import ModelLoadError
 from tests.worker.test_cpu_kernels import DTYPES, TOLERANCE
-from tests.worker.tiny import request, run_logits, save_tiny_model
+from tests.worker.tiny import drop_packed_gemms, request, run_logits, save_tiny_model
 
 
 @pytest.fixture(params=sorted(DTYPES))
@@ -25,14 +25,18 @@ def dtype(request):
 
 @pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {"tie_word_embeddings": True})])
 @pytest.mark.parametrize("num_requests", [3, 20])
-def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, num_requests):
+@pytest.mark.parametrize("packed_gemms", [True, False])
+def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, num_requests, packed_gemms):
     """Prefill in torch, then decode steps: native logits == torch logits, step by step.
 
-    3 requests take the native GEMV (at most ``gemv_rows``: 4 for bfloat16 with bfloat16 units, else 16); 20 take
-    torch's GEMM for the matmuls around native attention."""
+    With the weights packed at load the matmuls around native attention take their GEMM (float32 from 2 rows,
+    bfloat16 with bfloat16 units at every row count); without, 3 requests take the native GEMV (at most
+    ``gemv_rows``: 4 for bfloat16 with bfloat16 units, else 16) and 20 torch's GEMM."""
     dt, _ = dtype
     path = save_tiny_model(str(tmp_path), kind, **overrides)
     loaded = load_model(path, dtype=str(dt).removeprefix("torch."), device="cpu", attention_backend="torch")
+    if not packed_gemms:
+        drop_packed_gemms(loaded.model)
     native = loaded.model.native_path
     assert native is not None, "auto should attach the native kernels on an AVX2 CPU with a C compiler"
     num_blocks = 6 * num_requests
@@ -139,12 +143,15 @@ def test_engine_choice(tmp_path, monkeypatch, caplog):
     with pytest.raises(ModelLoadError, match="--cpu-kernels native: .*float16"):
         load_model(path, dtype="float16", device="cpu", cpu_kernels="native")
 
-    # bfloat16 weights take the native GEMV up to 4 rows where torch's GEMM has bfloat16 units to use, else 16.
+    # bfloat16 weights take oneDNN's GEMM on weights reordered at load where the CPU has bfloat16 units; elsewhere
+    # they are multiplied in float32, on MKL's packed GEMM from 2 rows.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="services.worker.engine"):
-        native = load_model(path, dtype="bfloat16", device="cpu", cpu_kernels="auto").model.native_path
-    rows = 4 if detect_cpu().bf16_units else 16
-    assert native.native_rows == rows and f"the native GEMV up to {rows} rows, torch's GEMM above" in caplog.text
+        assert load_model(path, dtype="bfloat16", device="cpu", cpu_kernels="auto").model.native_path is not None
+    if detect_cpu().bf16_units:
+        assert "matmuls: the GEMM on oneDNN's reordered bfloat16 weights at every row count" in caplog.text
+    else:
+        assert "matmuls: the native GEMV at 1 row, the GEMM on MKL's packed float32 weights above" in caplog.text
 
     # No working compiler and nothing built yet.
     monkeypatch.setenv("KVGRID_CACHE_DIR", str(tmp_path / "cache"))

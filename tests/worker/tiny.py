@@ -78,6 +78,14 @@ def run_logits(runner, requests: list[RequestState]) -> dict[str, torch.Tensor]:
     return {r.request_id: logits[i] for i, r in enumerate(inputs.sampling_requests)}
 
 
+def drop_packed_gemms(model) -> None:
+    """The model's matmuls back on the kernels they take without weights packed at load (set_packed_gemms)."""
+    for m in model.modules():
+        if getattr(m, "gemm", None) is not None:
+            m.gemm = None
+    model.logits_gemm = None
+
+
 def save_tiny_tokenizer(path: str, vocab_size: int = 150) -> str:
     """A word-level tokenizer ("t0 t1 ..." -> ids) with <|im_end|> as EOS, id ``vocab_size``."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -49,6 +49,10 @@ def available() -> bool:
 class PackedGemm:
     """y = x W^T (+ bias) for a float32 weight [N, K], packed at construction; W itself is not kept."""
 
+    weights = "MKL's packed float32"  # for the log
+    dtype = torch.float32  # of the weight, the input and the product
+    min_rows = 2  # one row reads the weight once either way: the native GEMV or torch's own
+
     def __init__(self, weight: torch.Tensor):
         lib = _mkl()
         if lib is None:

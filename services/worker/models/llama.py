@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention.base import AttentionBackend, AttentionMetadata
-from ..cpu_kernels import mkl_gemm
+from ..cpu_kernels import mkl_gemm, onednn_gemm
 from ..cpu_kernels.mkl_gemm import PackedGemm
+from ..cpu_kernels.onednn_gemm import OnednnGemm
 from ..quant.formats import PackedWeight
 from ..quant.install import install_gguf
 from ..quant.matmul import packed_embedding, packed_linear
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 FLOAT32_COPY_LIMIT = 2**30  # bytes of float32 weight copies set_upcast_matmuls may keep
-PACKED_GEMM_LIMIT = 2**31  # bytes of float32 weights set_packed_gemms packs (as many again resident)
+PACKED_GEMM_LIMIT = 2**31  # bytes of weights set_packed_gemms packs (as many again resident)
 
 
 @dataclass(slots=True)
@@ -101,13 +102,13 @@ class Linear(nn.Linear):
     upcast: bool = False
     weight_f32: torch.Tensor | None = None
     packed: PackedWeight | None = None  # --quantization: the weight as int8 or GGUF blocks (see quant/)
-    gemm: PackedGemm | None = None  # the float32 weight packed for MKL, for products of 2+ rows (set_packed_gemms)
+    gemm: PackedGemm | OnednnGemm | None = None  # the weight packed once for its GEMM (set_packed_gemms)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
-        if self.gemm is not None and x.shape[0] > 1:
-            return self.gemm(x.float(), self.bias).to(x.dtype)
+        if self.gemm is not None and x.shape[0] >= self.gemm.min_rows:
+            return self.gemm(x.to(self.gemm.dtype), self.bias).to(x.dtype)
         if self.upcast and x.shape[0] > 1:
             weight = self.weight.float() if self.weight_f32 is None else self.weight_f32
             return upcast_linear(x, weight, self.bias)
@@ -222,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         self.cos: torch.Tensor | None = None  # [max_positions, D], see rope.cos_sin_tables
         self.upcast_matmuls = False
         self.logits_weight_f32: torch.Tensor | None = None  # float32 copy of the logits weight, see set_upcast_matmuls
-        self.logits_gemm: PackedGemm | None = None  # the logits weight packed for MKL, see set_packed_gemms
+        self.logits_gemm: PackedGemm | OnednnGemm | None = None  # the logits weight packed, see set_packed_gemms
         self.sin: torch.Tensor | None = None
         # Every step on CPU through the native kernels (see llama_cpu.py); set by the engine.
         self.native_path: NativeCpuPath | None = None
@@ -268,52 +269,57 @@ class LlamaForCausalLM(nn.Module):
         module = self.logits_module
         if module.packed is not None:
             return packed_linear(normed, module.packed)
-        if normed.shape[0] > 1:
-            return self.multi_row_logits(normed)
-        return F.linear(normed, module.weight)
+        return self.unpacked_logits(normed)
 
-    def multi_row_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [R > 1, E] normed -> [R, vocab]
-        """Logits of several rows from an unpacked weight; float32 when upcast (the sampler takes any dtype)."""
-        if self.logits_gemm is not None:
-            return self.logits_gemm(normed.float())
+    def unpacked_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [R, E] normed -> [R, vocab]
+        """Logits from an unpacked weight: through its packed GEMM from the rows that GEMM takes, in float32
+        when upcast (the sampler takes any dtype), else torch's."""
+        rows = normed.shape[0]
+        if self.logits_gemm is not None and rows >= self.logits_gemm.min_rows:
+            return self.logits_gemm(normed.to(self.logits_gemm.dtype))
         weight = self.logits_module.weight
-        if self.upcast_matmuls:
+        if self.upcast_matmuls and rows > 1:
             weight = weight.float() if self.logits_weight_f32 is None else self.logits_weight_f32
             return F.linear(normed.float(), weight)
         return F.linear(normed, weight)
 
-    def set_packed_gemms(self, limit: int = PACKED_GEMM_LIMIT) -> str:
-        """Products of 2+ rows with float32 weights (or set_upcast_matmuls' float32 copies, which the
-        packed ones replace) on MKL's packed GEMM (``cpu_kernels.mkl_gemm``) when torch has it and the
-        weights come to at most ``limit`` bytes. Call after set_upcast_matmuls; returns what it did, for
-        the log."""
+    def set_packed_gemms(self, limit: int = PACKED_GEMM_LIMIT, bf16_units: bool = False) -> str:
+        """Matmul weights packed once for their GEMM, when torch has that GEMM and the weights come to at
+        most ``limit`` bytes: float32 ones (or set_upcast_matmuls' float32 copies, which the packed ones
+        replace) for MKL's packed GEMM (``cpu_kernels.mkl_gemm``), taking products of 2+ rows; bfloat16 ones,
+        on a CPU with bfloat16 units, reordered for oneDNN's (``cpu_kernels.onednn_gemm``), taking every
+        product. Call after set_upcast_matmuls; returns what it did, for the log."""
 
-        def float32_source(module: Linear | Embedding, copy: torch.Tensor | None) -> torch.Tensor | None:
+        def source(module: Linear | Embedding, copy: torch.Tensor | None) -> torch.Tensor | None:
             weight = module.weight if copy is None else copy
-            return weight if module.packed is None and weight.dtype == torch.float32 else None
+            reorder = weight.dtype == torch.bfloat16 and bf16_units and not self.upcast_matmuls
+            return weight if module.packed is None and (weight.dtype == torch.float32 or reorder) else None
 
         if self.embed_tokens.weight.device.type != "cpu":
             return "the weights are not on the CPU"
         logits = self.logits_module
-        linears = {m: float32_source(m, m.weight_f32) for m in self.modules() if isinstance(m, Linear)}
+        linears = {m: source(m, m.weight_f32) for m in self.modules() if isinstance(m, Linear)}
         linears = {m: w for m, w in linears.items() if w is not None}
-        logits_source = None if logits in linears else float32_source(logits, self.logits_weight_f32)
+        logits_source = None if logits in linears else source(logits, self.logits_weight_f32)
         sources = [*linears.values(), *([] if logits_source is None else [logits_source])]
-        total = sum(w.numel() * 4 for w in sources)
         if not sources:
-            return "no float32 weights to pack"
-        if not mkl_gemm.available():
-            return "torch has no MKL packed GEMM here"
+            return "no float32 weights (nor bfloat16 ones with bfloat16 units) to pack"
+        gemm, available = (PackedGemm, mkl_gemm.available) if sources[0].dtype == torch.float32 else (
+            OnednnGemm, onednn_gemm.available)  # fmt: skip
+        total = sum(w.numel() * w.element_size() for w in sources)
+        if not available():
+            return f"torch has no GEMM on {gemm.weights} weights here"
         if total > limit:
-            return f"{total / 2**20:.0f} MiB of float32 weights is over the {limit / 2**20:.0f} MiB limit"
+            return f"{total / 2**20:.0f} MiB of weights is over the {limit / 2**20:.0f} MiB limit"
         for module, weight in linears.items():
-            module.gemm, module.weight_f32 = PackedGemm(weight), None
+            module.gemm, module.weight_f32 = gemm(weight), None
         if logits in linears:
             self.logits_gemm = logits.gemm
         elif logits_source is not None:
-            self.logits_gemm = PackedGemm(logits_source)
+            self.logits_gemm = gemm(logits_source)
         self.logits_weight_f32 = None
-        return f"products of 2+ rows on MKL's packed float32 weights (+{total / 2**20:.0f} MiB)"
+        products = "every product" if gemm.min_rows == 1 else f"products of {gemm.min_rows}+ rows"
+        return f"{products} on {gemm.weights} weights (+{total / 2**20:.0f} MiB)"
 
     def packed_gemm_bytes(self) -> int:
         gemms = {id(m.gemm): m.gemm for m in self.modules() if isinstance(m, Linear) and m.gemm is not None}

@@ -9,13 +9,15 @@ the block tables for decodes, and for prefill chunks too where the CPU has AVX-5
 (``cpu_kernels/prefill_attention.c``, ~2x torch's SDPA at 64-512 tokens with no gather of the
 context); elsewhere prefill chunks attend through the attention backend (SDPA). In a
 2048-token prefill chunk the small ops in torch and the copies between them were ~15% of the
-step (the native ones: ~3%). Matmuls pick their kernel by row count: float weights take the
-native GEMV for one row and MKL's GEMM on weights packed at load above (``Linear.gemm``, written
-straight into this path's buffers: 1.1x the GEMV at 2 rows, 1.4x at 12); without those, the
-native GEMV up to ``gemv_rows`` rows (16; 4 for bfloat16 where the CPU has bfloat16 units, which
-torch's GEMM uses and the GEMV does not) and torch's GEMM above (compute-bound there, where MKL is
-faster); packed weights (``--quantization``) take ``quant.matmul``. Same weights, same KV cache,
-same numerics op for op (see the C files).
+step (the native ones: ~3%). Matmuls pick their kernel by row count (``Linear.gemm``, the weight
+packed at load): float32 weights take the native GEMV for one row and MKL's GEMM on packed weights
+above (written straight into this path's buffers: 1.1x the GEMV at 2 rows, 1.4x at 12); bfloat16
+weights on a CPU with bfloat16 units take oneDNN's GEMM on weights reordered for those units at
+every row count (``cpu_kernels.onednn_gemm``: as fast as the GEMV, which widens to float32, at one
+row, and faster above). Without a packed GEMM, the native GEMV up to ``gemv_rows`` rows (16; 4 for
+bfloat16 with bfloat16 units) and torch's GEMM above (compute-bound there, where MKL is faster);
+packed weights (``--quantization``) take ``quant.matmul``. Same weights, same KV cache, same
+numerics op for op (see the C files).
 """
 
 from __future__ import annotations
@@ -101,8 +103,11 @@ class NativeCpuPath:
         """Which kernels the matmuls take by row count, for the log."""
         if self.model.logits_module.packed is not None:
             return "packed weights through the quantized linear (see the CPU line)"
-        if self.model.logits_gemm is not None:
-            return "the native GEMV at 1 row, MKL's GEMM on packed weights above"
+        gemm = self.model.logits_gemm
+        if gemm is not None and gemm.min_rows == 1:
+            return f"the GEMM on {gemm.weights} weights at every row count"
+        if gemm is not None:  # from 2 rows
+            return f"the native GEMV at 1 row, the GEMM on {gemm.weights} weights above"
         return f"the native GEMV up to {self.native_rows} rows, torch's GEMM above"
 
     def linear(self, module, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
@@ -113,14 +118,14 @@ class NativeCpuPath:
                 return
             linear_into(x, module.packed, module.bias, out, accumulate)
             return
-        if module.packed is None and rows <= (1 if module.gemm is not None else self.native_rows):
+        if module.packed is None and rows < (self.native_rows + 1 if module.gemm is None else module.gemm.min_rows):
             n, k = module.weight.shape
             self.lib.kvg_linear(
                 x.data_ptr(), module.weight.data_ptr(), _ptr(module.bias), out.data_ptr(), out.stride(0), rows, n, k,
                 self.code, int(accumulate),
             )  # fmt: skip
             return
-        if module.gemm is not None and out.dtype == torch.float32:  # MKL's packed GEMM, no allocation
+        if module.gemm is not None and out.dtype == module.gemm.dtype:  # a GEMM on the weight packed at load
             # Accumulating, the product is rounded before the add (as torch's path): MKL's own
             # accumulation into out rounds differently in ~40% of the elements.
             product = self.spare(rows, module.gemm.n) if accumulate else out
@@ -265,8 +270,8 @@ class NativeCpuPath:
                 linear_into(normed, module.packed, None, out)
             return out
         weight = module.weight
-        if rows > (1 if model.logits_gemm is not None else self.native_rows):
-            return model.multi_row_logits(normed)
+        if rows >= (self.native_rows + 1 if model.logits_gemm is None else model.logits_gemm.min_rows):
+            return model.unpacked_logits(normed)
         vocab = weight.shape[0]
         out = torch.empty(rows, vocab, dtype=self.dtype)
         self.lib.kvg_linear(normed.data_ptr(), weight.data_ptr(), None, out.data_ptr(), vocab, rows, vocab,
