@@ -382,15 +382,21 @@ INLINE void span_rows(const int32_t *table, int t, int t1, int block_size, int64
     }
 }
 
-/* Asks for the cache rows of tokens [t, min(t + SPAN, t1)) of one sequence (every KV head) in L1. */
+enum { TO_L1, TO_L2 };
+
+/* Asks for the cache rows of tokens [t, min(t + SPAN, t1)) of one sequence (every KV head) in L1 or L2. */
 INLINE void prefetch_span(const void *cache, const int32_t *table, int t, int t1, int block_size, int64_t row,
-                          int es) {
+                          int es, int level) {
     if (t >= t1) return;
     int64_t rows[SPAN];
     span_rows(table, t, t1, block_size, row, rows);
     const int span = t1 - t < SPAN ? t1 - t : SPAN;
     for (int i = 0; i < span; i++)
-        for (int64_t b = 0; b < row * es; b += 64) _mm_prefetch((const char *)cache + rows[i] * es + b, _MM_HINT_T0);
+        for (int64_t b = 0; b < row * es; b += 64) {
+            const char *line = (const char *)cache + rows[i] * es + b;
+            if (level == TO_L2) _mm_prefetch(line, _MM_HINT_T1);
+            else _mm_prefetch(line, _MM_HINT_T0);
+        }
 }
 
 /*
@@ -435,10 +441,11 @@ INLINE void attention_chunk(const float *qf, const void *k_cache, const void *v_
     const int64_t row = (int64_t)KV * D;
     const int es = dt == BF16 ? 2 : 4;
     int64_t rows[SPAN];
-    for (int a = 0; a < AHEAD; a++) prefetch_span(k_cache, table, t0 + a * SPAN, t1, block_size, row, es);
+    for (int a = 0; a < AHEAD; a++) prefetch_span(k_cache, table, t0 + a * SPAN, t1, block_size, row, es, TO_L1);
     for (int t = t0; t < t1; t += SPAN) {
         const int span = t1 - t < SPAN ? t1 - t : SPAN;
-        prefetch_span(k_cache, table, t + AHEAD * SPAN, t1, block_size, row, es);
+        prefetch_span(k_cache, table, t + AHEAD * SPAN, t1, block_size, row, es, TO_L1);
+        prefetch_span(v_cache, table, t, t1, block_size, row, es, TO_L2);  /* for the value pass */
         span_rows(table, t, t1, block_size, row, rows);  /* past the span: its first row (computed, not kept) */
         for (int h = 0; h < H; h++) {
             const float *qh = qf + (int64_t)h * D;
@@ -459,12 +466,12 @@ INLINE void attention_chunk(const float *qf, const void *k_cache, const void *v_
             }
         }
     }
-    for (int a = 0; a < AHEAD; a++) prefetch_span(v_cache, table, t0 + a * SPAN, t1, block_size, row, es);
+    for (int a = 0; a < AHEAD; a++) prefetch_span(v_cache, table, t0 + a * SPAN, t1, block_size, row, es, TO_L1);
     softmax_chunk(scores, n, H, D, part);
     for (int h = 0; h < H; h++) memset(part + (int64_t)h * (D + 2) + 2, 0, sizeof(float) * D);
     for (int t = t0; t < t1; t += SPAN) {
         const int span = t1 - t < SPAN ? t1 - t : SPAN;
-        prefetch_span(v_cache, table, t + AHEAD * SPAN, t1, block_size, row, es);
+        prefetch_span(v_cache, table, t + AHEAD * SPAN, t1, block_size, row, es, TO_L1);
         span_rows(table, t, t1, block_size, row, rows);  /* past the span: its first row, with weight 0 */
         for (int h = 0; h < H; h++) {
             const int64_t head = (int64_t)(h / G) * D;
@@ -516,10 +523,11 @@ AVX512_FN void attention_chunk16(const float *qf, const void *k_cache, const voi
     const int64_t row = (int64_t)KV * D;
     const int es = dt == BF16 ? 2 : 4;
     int64_t rows[SPAN];
-    for (int a = 0; a < AHEAD; a++) prefetch_span(k_cache, table, t0 + a * SPAN, t1, block_size, row, es);
+    for (int a = 0; a < AHEAD; a++) prefetch_span(k_cache, table, t0 + a * SPAN, t1, block_size, row, es, TO_L1);
     for (int t = t0; t < t1; t += SPAN) {
         const int span = t1 - t < SPAN ? t1 - t : SPAN;
-        prefetch_span(k_cache, table, t + AHEAD * SPAN, t1, block_size, row, es);
+        prefetch_span(k_cache, table, t + AHEAD * SPAN, t1, block_size, row, es, TO_L1);
+        prefetch_span(v_cache, table, t, t1, block_size, row, es, TO_L2);  /* for the value pass */
         span_rows(table, t, t1, block_size, row, rows);
         for (int h = 0; h < H; h++) {
             const float *qh = qf + (int64_t)h * D;
@@ -597,11 +605,12 @@ BF16DOT_FN void attention_chunk_bf16dot(const uint16_t *q, const uint16_t *k_cac
     const int64_t row = (int64_t)KV * D;
     int64_t rows[CHUNK];
     for (int t = t0; t < t1; t += SPAN) span_rows(table, t, t1, block_size, row, rows + (t - t0));
-    for (int a = 0; a < AHEAD; a++) prefetch_span(k_cache, table, t0 + a * SPAN, t1, block_size, row, 2);
+    for (int a = 0; a < AHEAD; a++) prefetch_span(k_cache, table, t0 + a * SPAN, t1, block_size, row, 2, TO_L1);
     for (int t = t0; t < t1; t += SPAN) {
         const int span = t1 - t < SPAN ? t1 - t : SPAN;
         const int64_t *r = rows + (t - t0);
-        prefetch_span(k_cache, table, t + AHEAD * SPAN, t1, block_size, row, 2);
+        prefetch_span(k_cache, table, t + AHEAD * SPAN, t1, block_size, row, 2, TO_L1);
+        prefetch_span(v_cache, table, t, t1, block_size, row, 2, TO_L2);  /* for the value pass */
         for (int h = 0; h < H; h++) {
             const int64_t head = (int64_t)(h / G) * D;
             __m512 acc[SPAN];
@@ -617,7 +626,7 @@ BF16DOT_FN void attention_chunk_bf16dot(const uint16_t *q, const uint16_t *k_cac
             for (int i = 0; i < span; i++) scores[h * CHUNK + (t - t0) + i] = sums[i] * scale;
         }
     }
-    for (int a = 0; a < AHEAD; a++) prefetch_span(v_cache, table, t0 + a * SPAN, t1, block_size, row, 2);
+    for (int a = 0; a < AHEAD; a++) prefetch_span(v_cache, table, t0 + a * SPAN, t1, block_size, row, 2, TO_L1);
     softmax_chunk(scores, n, H, D, part);  /* zero up to a whole span: an even count of tokens */
     const int pairs = (n + SPAN - 1) / SPAN * SPAN / 2;
     for (int h = 0; h < H; h++)  /* the probabilities are rounded 32 at a time: zeros up to 32 */
