@@ -38,6 +38,7 @@ NATIVE_ROWS = 16
 # bfloat16 on a CPU with bfloat16 dot products (AVX512-BF16, AMX), where torch's GEMM (oneDNN) uses them and the GEMV
 # (which widens to float32) does not. The model's layer weights, cold, on 2 cores of an AVX512-BF16 EPYC, the GEMV
 # against torch: 1.28x at 2 rows, 1.21x at 3, 1.11x at 4, 0.93x at 5, 0.72x at 8 (the LM head alone: 0.89x at 4).
+# Only where torch cannot reorder the weights for oneDNN (cpu_kernels.onednn_gemm), which then takes every row count.
 BF16_UNITS_NATIVE_ROWS = 4
 
 
