@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from kvgrid.v1 import generate_pb2_grpc, worker_pb2
+from kvgrid.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
 from services.common.config import Config, ModelConfig, NetworkConfig, ObservabilityConfig, SchedulerConfig
 from services.tokenizer.text_tokenizer import read_tokenizer_dir
 
@@ -120,3 +120,13 @@ def stack(smollm):
     loop.run(frontend.stop(0))
     loop.run(sched_server.stop(0))
     loop.close()
+
+
+def generate(stack, timeout=30, **fields) -> list[generate_pb2.GenerateResponse]:
+    """One Generate call through the stack's frontend: every streamed response."""
+    return list(stack.stub.Generate(generate_pb2.GenerateRequest(**fields), timeout=timeout))
+
+
+def joined(responses) -> tuple[str, list[int]]:
+    """The streamed text and token ids, put together."""
+    return "".join(r.text for r in responses), [t for r in responses for t in r.token_ids]

@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.cpu_features import detect as detect_cpu
 from services.worker.cpu_kernels import onednn_gemm
 from services.worker.engine import create_runner, load_model
 from tests.worker.test_cpu_kernels import TOLERANCE
@@ -69,10 +68,11 @@ def test_model_reorders_bfloat16_weights_where_the_cpu_has_units(tmp_path, cpu_k
     """With bfloat16 units every unquantized matrix and the (tied) logits weight get a reordered copy, which
     takes every product (18, 3 and 1 rows) on the torch and native paths alike; the logits are the unreordered
     model's (torch's: the same bits). Without bfloat16 units nothing is reordered."""
-    if cpu_kernels == "native" and not detect_cpu().bf16_units:
-        pytest.skip("the native path runs bfloat16 products on oneDNN only with bfloat16 units")
     path = save_tiny_model(str(tmp_path), "qwen2", tie_word_embeddings=True)  # biases on q, k, v
-    loaded = load_model(path, dtype="bfloat16", device="cpu", attention_backend="torch", cpu_kernels=cpu_kernels)
+    # Not upcast, whatever this CPU has: set_packed_gemms is told below whether there are bfloat16 units.
+    loaded = load_model(
+        path, dtype="bfloat16", device="cpu", attention_backend="torch", cpu_kernels=cpu_kernels, upcast_matmuls=False
+    )
     model = loaded.model
     assert (model.native_path is not None) == (cpu_kernels == "native")
     linears = [m for m in model.modules() if m.__class__.__name__ == "Linear"]

@@ -111,6 +111,11 @@ class NativeCpuPath:
             return f"the native GEMV at 1 row, the GEMM on {gemm.weights} weights above"
         return f"the native GEMV up to {self.native_rows} rows, torch's GEMM above"
 
+    def takes_gemv(self, gemm, rows: int) -> bool:
+        """Whether an unquantized product of ``rows`` rows takes the native GEMV rather than a GEMM: below the
+        packed GEMM's own row minimum, or up to ``native_rows`` without one."""
+        return rows < gemm.min_rows if gemm is not None else rows <= self.native_rows
+
     def linear(self, module, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
         """out (+)= module(x), out's rows possibly strided: the kernel for this row count and weight."""
         rows = x.shape[0]
@@ -119,7 +124,7 @@ class NativeCpuPath:
                 return
             linear_into(x, module.packed, module.bias, out, accumulate)
             return
-        if module.packed is None and rows < (self.native_rows + 1 if module.gemm is None else module.gemm.min_rows):
+        if module.packed is None and self.takes_gemv(module.gemm, rows):
             n, k = module.weight.shape
             self.lib.kvg_linear(
                 x.data_ptr(), module.weight.data_ptr(), _ptr(module.bias), out.data_ptr(), out.stride(0), rows, n, k,
@@ -271,7 +276,7 @@ class NativeCpuPath:
                 linear_into(normed, module.packed, None, out)
             return out
         weight = module.weight
-        if rows >= (self.native_rows + 1 if model.logits_gemm is None else model.logits_gemm.min_rows):
+        if not self.takes_gemv(model.logits_gemm, rows):
             return model.unpacked_logits(normed)
         vocab = weight.shape[0]
         out = torch.empty(rows, vocab, dtype=self.dtype)
