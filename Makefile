@@ -53,7 +53,7 @@ format: install
 	$(VENV)/bin/ruff format .
 
 protos: install
-	$(PY) -m kvgrid.protogen
+	$(PY) -m tools.protogen
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info clients/node/node_modules

@@ -29,7 +29,7 @@ import time
 from openai import AsyncOpenAI
 
 from benchmarks.control_plane_bench import _free_ports as free_ports
-from kvgrid.bench import RequestResult, make_prompts, run_one, summarize
+from kvgrid.cli.bench import RequestResult, make_prompts, run_one, summarize
 from kvgrid.v1 import generate_pb2, generate_pb2_grpc
 from services.common.server import insecure_channel
 

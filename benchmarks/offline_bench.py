@@ -29,8 +29,8 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from kvgrid import LLM, SamplingParams  # noqa: E402
-from kvgrid import bench as serving_bench  # noqa: E402
-from kvgrid.serve import is_serving  # noqa: E402
+from kvgrid.cli import bench as serving_bench  # noqa: E402
+from kvgrid.cli.serve import is_serving  # noqa: E402
 from services.common.default_model import default_model_path  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "offline_bench.json")

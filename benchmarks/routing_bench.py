@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from kvgrid.bench import percentile, run_one  # noqa: E402
+from kvgrid.cli.bench import percentile, run_one  # noqa: E402
 from kvgrid.v1 import generate_pb2_grpc  # noqa: E402
 from services.common.server import insecure_channel  # noqa: E402
 

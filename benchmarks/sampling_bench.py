@@ -17,7 +17,7 @@ import time
 import torch
 
 from kvgrid.v1 import common_pb2
-from services.worker.sampling import RequestSampling, Sampler
+from services.worker.sampling.sampler import RequestSampling, Sampler
 
 VOCAB = 49152
 

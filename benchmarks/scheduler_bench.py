@@ -33,7 +33,7 @@ from services.scheduler.convert import plan_to_proto
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, StopConditions
 from services.scheduler.scheduler import Scheduler, SchedulerLimits
-from services.scheduler.service import start
+from services.scheduler.server import start
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "scheduler_bench.json"
 BLOCK_SIZE = 16

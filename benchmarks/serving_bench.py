@@ -32,7 +32,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from kvgrid.threads import worker_arrangement
+from kvgrid.cli.serve import worker_arrangement
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The worker-alone side runs in this process: the same OpenMP arrangement `kvgrid serve` gives its

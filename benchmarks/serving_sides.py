@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvgrid.bench import FIRST_PLAIN_TOKEN_ID, run_one
+from kvgrid.cli.bench import FIRST_PLAIN_TOKEN_ID, run_one
 from kvgrid.v1 import common_pb2, generate_pb2_grpc
 from services.common.server import insecure_channel
 
@@ -71,8 +71,8 @@ def run_worker(core, config, shape: Shape) -> tuple[int, float]:
     from services.scheduler.convert import plan_to_proto, stop_conditions_from_proto
     from services.scheduler.engine import build_scheduler
     from services.scheduler.request import Request
-    from services.worker.sampling_params import RequestSampling
-    from services.worker.state import RequestStates
+    from services.worker.request_state import RequestStates
+    from services.worker.sampling.request_sampling import RequestSampling
 
     scheduler, _ = build_scheduler(core.handshake, config)
     runner = core.runner

@@ -26,11 +26,11 @@ import torch  # noqa: E402
 
 from kvgrid.v1 import common_pb2  # noqa: E402
 from services.common.default_model import default_model_path  # noqa: E402
-from services.worker.engine import create_runner, load_model  # noqa: E402
-from services.worker.loader import load_tokenizer, tokenizer_files  # noqa: E402
-from services.worker.sampling_params import RequestSampling  # noqa: E402
-from services.worker.state import RequestState  # noqa: E402
-from services.worker.structured import GrammarCache  # noqa: E402
+from services.worker.request_state import RequestState  # noqa: E402
+from services.worker.sampling.request_sampling import RequestSampling  # noqa: E402
+from services.worker.sampling.structured import GrammarCache  # noqa: E402
+from services.worker.setup.build import create_runner, load_model  # noqa: E402
+from services.worker.setup.loader import load_tokenizer, tokenizer_files  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "structured_bench.json")
 BLOCK_SIZE = 16

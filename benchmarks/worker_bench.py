@@ -12,7 +12,7 @@ minus the time for 1 (the prefill and the first token). Both load the default Sm
 kvgrid step ends with the sampled ids on the host, so its timing needs no extra synchronisation.
 Hugging Face reads the GGUF with its own reader (in transformers 5 it may keep the weights packed
 and dequantize inside its matmuls). On a CPU without bfloat16 units kvgrid multiplies bf16 weights
-in float32 (see ``services.worker.models.llama.Linear``); ``--dtype auto`` picks float32 there.
+in float32 (see ``services.worker.layers.linear.Linear``); ``--dtype auto`` picks float32 there.
 Decode steps take the native CPU kernels (``--cpu-kernels``, ``services.worker.models.llama_cpu``);
 the torch path is measured too. ``--quantization int8|gguf`` runs kvgrid on packed weights
 (HF stays float).
@@ -35,9 +35,9 @@ import torch  # noqa: E402
 
 from kvgrid.v1 import common_pb2  # noqa: E402
 from services.common.default_model import default_model_path  # noqa: E402
-from services.worker.engine import create_runner, load_model  # noqa: E402
-from services.worker.sampling_params import RequestSampling  # noqa: E402
-from services.worker.state import RequestState  # noqa: E402
+from services.worker.request_state import RequestState  # noqa: E402
+from services.worker.sampling.request_sampling import RequestSampling  # noqa: E402
+from services.worker.setup.build import create_runner, load_model  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results", "worker_bench_{device}_{dtype}_{quantization}.json")
 BLOCK_SIZE = 16

@@ -29,6 +29,6 @@ WORKDIR /home/kvgrid
 EXPOSE 50052 8002
 # SERVING only after a successful handshake with its worker
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["python", "-m", "kvgrid.healthcheck", "localhost:50052"]
+    CMD ["python", "-m", "kvgrid.cli.healthcheck", "localhost:50052"]
 ENTRYPOINT ["/usr/bin/tini", "--"]
 CMD ["kvgrid", "scheduler"]

@@ -29,6 +29,6 @@ USER 10001:10001
 WORKDIR /home/kvgrid
 EXPOSE 50051 8000
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "-m", "kvgrid.healthcheck", "localhost:50051"]
+    CMD ["python", "-m", "kvgrid.cli.healthcheck", "localhost:50051"]
 ENTRYPOINT ["/usr/bin/tini", "--"]
 CMD ["kvgrid", "tokenizer"]

@@ -37,11 +37,11 @@ RUN /opt/kvgrid/bin/pip install '.[worker]' \
 RUN cd /tmp && KVGRID_CACHE_DIR=/opt/kvgrid/cache /opt/kvgrid/bin/python -c \
     "from services.worker.cpu_kernels.library import DECODE, PREFILL, QUANT, build; \
 [print(build(library=lib)) for lib in (DECODE, PREFILL, QUANT)]"
-# The default GGUF converted once into a HF directory (services/worker/gguf_cache.py): the worker starts in
+# The default GGUF converted once into a HF directory (services/worker/setup/gguf_cache.py): the worker starts in
 # seconds instead of parsing the GGUF three times. COPY --from keeps the file's path and mtime, its cache key.
 RUN cd /tmp && KVGRID_CACHE_DIR=/opt/kvgrid/cache /opt/kvgrid/bin/python -c \
     "from services.common.default_model import default_model_path as p; \
-from services.worker.loader import resolve_source as r; from services.worker.gguf_cache import cached_source as c; \
+from services.worker.setup.loader import resolve_source as r; from services.worker.setup.gguf_cache import cached_source as c; \
 print(c(r(p())))"
 
 FROM ${PYTHON_IMAGE}
@@ -68,6 +68,6 @@ WORKDIR /home/kvgrid
 EXPOSE 50053 8003
 # SERVING only once the weights are loaded and the KV cache is allocated
 HEALTHCHECK --interval=10s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["python", "-m", "kvgrid.healthcheck", "localhost:50053"]
+    CMD ["python", "-m", "kvgrid.cli.healthcheck", "localhost:50053"]
 ENTRYPOINT ["/usr/bin/tini", "--"]
 CMD ["kvgrid", "worker"]

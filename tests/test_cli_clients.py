@@ -12,7 +12,8 @@ from concurrent import futures
 import grpc
 import pytest
 
-from kvgrid import bench, chat, client
+from kvgrid.cli import bench, chat
+from kvgrid.cli import generate as client
 from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 REPLY = ["Hel", "lo", " wörld"]

@@ -6,16 +6,18 @@ import dataclasses
 import pathlib
 import re
 
-from kvgrid import bench, chat, client, docs
+from kvgrid.cli import bench, chat
+from kvgrid.cli import generate as client
 from kvgrid.offline import run_batch
 from services.common import config as cfg
+from tools import flags_doc as docs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
 def test_the_flag_table_is_current():
-    assert docs.replace_table(README) == README, "run `python -m kvgrid.docs --write README.md`"
+    assert docs.replace_table(README) == README, "run `python -m tools.flags_doc --write README.md`"
 
 
 def test_every_service_flag_and_variable_is_in_the_table():

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from kvgrid import serve
-from kvgrid.restarts import RestartPolicy
+from kvgrid.cli import serve
+from kvgrid.cli.serve import RestartPolicy
 from services.common import config as cfg
 from tests.procs import free_ports
 
@@ -209,7 +209,7 @@ def test_restart_backoff_doubles_and_too_many_crashes_in_the_window_give_up():
 
 
 def test_worker_thread_arrangement():
-    from kvgrid.threads import worker_arrangement
+    from kvgrid.cli.serve import worker_arrangement
 
     env, line = worker_arrangement(0, 2, {})
     assert env == {"GOMP_SPINCOUNT": "300000"} and "2 threads sharing 2 cores" in line

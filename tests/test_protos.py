@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
-from kvgrid import protogen
+from tools import protogen
 
 
 def test_generated_stubs_are_up_to_date(tmp_path):

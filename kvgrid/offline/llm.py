@@ -21,6 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvgrid.offline.engine import EngineStats, OfflineEngine
+from kvgrid.offline.options import offline_config
+from kvgrid.offline.outputs import OutputCollector, RequestOutput
+from kvgrid.offline.progress import Progress
+from kvgrid.offline.sampling_params import SamplingParams
 from kvgrid.v1 import common_pb2, generate_pb2, scheduler_pb2
 from services.common.config import Config
 from services.common.errors import InvalidArgument, KvgridError
@@ -29,12 +34,6 @@ from services.scheduler.request import Request
 from services.tokenizer import validation as v
 from services.tokenizer.text_tokenizer import TextTokenizer, read_tokenizer_dir
 from services.worker.core import build_core
-
-from .engine import EngineStats, OfflineEngine
-from .options import offline_config
-from .outputs import OutputCollector, RequestOutput
-from .progress import Progress
-from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from kvgrid.offline.outputs import RequestOutput
+from kvgrid.offline.sampling_params import SamplingParams
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

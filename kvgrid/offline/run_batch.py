@@ -11,11 +11,10 @@ import argparse
 import sys
 import time
 
+from kvgrid.offline.openai_batch import COMPLETIONS, BadLine, BatchRequest, output_line, parse_line, response_body
+from kvgrid.offline.options import SECTIONS
 from services.common import config as cfg
 from services.common.logs import setup_logging
-
-from .openai_batch import COMPLETIONS, BadLine, BatchRequest, output_line, parse_line, response_body
-from .options import SECTIONS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,10 +97,9 @@ def main(argv: list[str]) -> int:
         print(f"kvgrid run-batch: cannot read {args.input_file}: {e.strerror or e}", file=sys.stderr)
         return 1
     try:
-        from services.worker.loader import ModelLoadError
-        from services.worker.memory import InsufficientMemory
-
-        from .llm import LLM
+        from kvgrid.offline.llm import LLM
+        from services.worker.setup.loader import ModelLoadError
+        from services.worker.setup.memory import InsufficientMemory
     except ModuleNotFoundError as e:
         print(
             f"kvgrid run-batch: needs the worker's packages ({e.name} is missing): pip install 'kvgrid[worker]'",

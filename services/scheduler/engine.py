@@ -30,7 +30,6 @@ import grpc
 from kvgrid.v1 import scheduler_pb2, worker_pb2
 from services.common.config import Config
 from services.common.errors import ResourceExhausted, Unavailable
-from services.common.metrics import SchedulerMetrics
 from services.scheduler import plan_steps
 from services.scheduler.admission import AdmissionLimits, admit
 from services.scheduler.block_pool import BlockPool
@@ -39,6 +38,7 @@ from services.scheduler.frontends import FrontendRequest, FrontendStream
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_events import KvEventLog
 from services.scheduler.kv_tiers import build_tiers
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Request
 from services.scheduler.scheduler import Scheduler, SchedulerLimits, SchedulerOutput, WorkerProtocolError
 from services.scheduler.streams import RequestStream

@@ -1,8 +1,9 @@
 """The frontend's one link to the scheduler: submit a tokenized request, iterate its deltas, abort it.
 
 The gRPC servicer, the OpenAI routes and group routing all go through an
-``EngineClient``. Its transport is one ``Scheduler.Connect`` stream: submits and
-aborts go out batched (one message per event-loop turn), and once per step the
+``EngineClient``; the one for a single scheduler is ``SchedulerClient``. Its
+transport is one ``Scheduler.Connect`` stream: submits and aborts go out batched
+(one message per event-loop turn), and once per step the
 scheduler sends one message with the deltas of all of this frontend's requests.
 That message is processed in one pass (``RequestHandle.transform`` runs there:
 detokenize, stop strings), in chunks so that a large batch never holds the
@@ -12,7 +13,7 @@ again with backoff. Errors surface as ``KvgridError`` subclasses carrying the
 scheduler's status code, never as raw ``AioRpcError``. The load and prefix-cache
 news the scheduler sends on the same stream keep ``view`` current for routing;
 with several worker groups, ``services.tokenizer.router.Router`` holds one
-``EngineClient`` per scheduler and offers the same submit interface.
+``SchedulerClient`` per scheduler and offers the same submit interface.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from services.tokenizer.upstream import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Schedu
 log = logging.getLogger(__name__)
 
 
-class Engine(Protocol):
-    """What the request pipeline needs of its link to the schedulers: an ``EngineClient`` (one scheduler) or a
+class EngineClient(Protocol):
+    """What the request pipeline needs of its link to the schedulers: a ``SchedulerClient`` (one scheduler) or a
     ``Router`` (every group of the deployment)."""
 
     async def submit(
@@ -55,7 +56,7 @@ UNCHOPPED = 64
 CHUNK = 4
 
 
-class EngineClient:
+class SchedulerClient:
     """Owns the Connect stream to the scheduler at ``addr`` and keeps ``state`` in step with its health."""
 
     def __init__(self, addr: str, state: ModelState):

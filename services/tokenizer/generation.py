@@ -16,7 +16,7 @@ from services.common.errors import Unavailable
 from services.common.logs import request_log
 from services.common.tracing import inject, trace_id_hex, tracer
 from services.tokenizer import validation as v
-from services.tokenizer.engine_client import Engine
+from services.tokenizer.engine_client import EngineClient
 from services.tokenizer.output import OutputProcessor
 from services.tokenizer.request_metrics import RequestMetrics
 from services.tokenizer.text_tokenizer import TextTokenizer
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 async def generate(
-    engine: Engine,
+    engine: EngineClient,
     tokenizer: TextTokenizer,
     limits: v.ModelLimits,
     request_id: str,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from services.common.errors import KvgridError
 
 if TYPE_CHECKING:
-    from services.tokenizer.engine_client import EngineClient
+    from services.tokenizer.engine_client import SchedulerClient
 
 _END = object()
 
@@ -21,7 +21,7 @@ class RequestHandle:
     set, whatever it returns for each delta (it runs in the client's one pass over a step's batch). Raises the
     request's KvgridError."""
 
-    def __init__(self, client: EngineClient, request_id: str):
+    def __init__(self, client: SchedulerClient, request_id: str):
         self.request_id = request_id
         self._client = client
         self._items: deque = deque()

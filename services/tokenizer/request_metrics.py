@@ -14,7 +14,7 @@ import time
 import grpc
 
 from services.common.errors import KvgridError
-from services.common.metrics import TokenizerMetrics
+from services.tokenizer.metrics import TokenizerMetrics
 
 log = logging.getLogger("services.tokenizer.requests")
 

@@ -24,7 +24,7 @@ from services.common.block_hash import chain_hash, prompt_block_hashes
 from services.common.config import RoutingConfig
 from services.common.errors import AlreadyExists, Unavailable
 from services.tokenizer.discovery import is_literal, resolve_all
-from services.tokenizer.engine_client import EngineClient
+from services.tokenizer.engine_client import SchedulerClient
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.request_handle import RequestHandle
 
@@ -88,7 +88,7 @@ class Group:
     def __init__(self, addr: str, model: ModelState, on_change):
         self.addr = addr
         self.state = GroupState(model, on_change)
-        self.client = EngineClient(addr, self.state)
+        self.client = SchedulerClient(addr, self.state)
 
     @property
     def available(self) -> bool:
@@ -101,7 +101,7 @@ class Group:
 
 
 class Router:
-    """The frontend's engine client over every scheduler of the deployment (same interface as EngineClient):
+    """The frontend's engine client over every scheduler of the deployment (same interface as SchedulerClient):
     ``submit`` picks a group, the returned handle talks to that group alone."""
 
     def __init__(self, addrs: list[str], state: ModelState, config: RoutingConfig):

@@ -6,17 +6,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from dataclasses import dataclass
 
 import grpc
 
 from kvgrid.v1 import generate_pb2_grpc
 from services.common.config import Config, RoutingConfig
-from services.common.metrics import TokenizerMetrics
+from services.common.logs import setup_logging
 from services.common.server import Health, add_reflection, bind, new_server
+from services.common.tracing import setup_tracing, shutdown_tracing
+from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.openai.app import build_app
-from services.tokenizer.openai.server import HttpServer
+from services.tokenizer.openai.http_server import HttpServer
 from services.tokenizer.openai.serving import OpenAIServing
 from services.tokenizer.router import Router
 from services.tokenizer.servicer import TextGenerationServicer
@@ -104,3 +107,34 @@ async def start_tokenizer(
         routing.routing_policy,
     )
     return TokenizerServer(server, http, engine, state, health, metrics, bound, bound_http)
+
+
+log = logging.getLogger("services.tokenizer")
+
+
+async def _serve(config: Config) -> int:
+    net = config.network
+    try:
+        server = await start_tokenizer(config, port=net.tokenizer_port, http_port=net.http_port)
+    except (OSError, ValueError) as e:
+        log.error("cannot start the tokenizer frontend: %s", e)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    grace = config.lifecycle.shutdown_grace
+    log.info("shutting down: NOT_SERVING, refusing new requests, finishing running streams for up to %gs", grace)
+    await server.stop(grace)
+    return 0
+
+
+def main(config: Config) -> int:
+    obs = config.observability
+    setup_logging("tokenizer", obs.log_level, obs.log_format)
+    setup_tracing("kvgrid-tokenizer")
+    try:
+        return asyncio.run(_serve(config))
+    finally:
+        shutdown_tracing()

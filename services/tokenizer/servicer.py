@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 
 from kvgrid.v1 import generate_pb2, generate_pb2_grpc
 from services.common.errors import InvalidArgument, grpc_errors
-from services.common.metrics import TokenizerMetrics
 from services.common.tracing import context_from_metadata
 from services.tokenizer import validation as v
-from services.tokenizer.engine_client import Engine
+from services.tokenizer.engine_client import EngineClient
 from services.tokenizer.generation import generate
+from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.prompts import encode_chat, encode_text
 from services.tokenizer.request_metrics import RequestMetrics
@@ -24,7 +24,7 @@ def _messages(messages) -> list[dict[str, str]]:
 
 
 class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
-    def __init__(self, state: ModelState, engine: Engine, metrics: TokenizerMetrics):
+    def __init__(self, state: ModelState, engine: EngineClient, metrics: TokenizerMetrics):
         self._state = state
         self._engine = engine
         self._metrics = metrics

@@ -11,19 +11,18 @@ from services.common import kv_keys
 from services.common.config import Config
 from services.common.default_model import resolve_model
 from services.common.errors import InvalidArgument
-from services.common.metrics import WorkerMetrics
-
-from .engine import LoadedModel, create_runner, max_model_len
-from .kv_transfer import HostTier, KvTransfer, RedisTier
-from .kv_transfer.blocks import block_shape
-from .loader import ModelLoadError, eos_token_ids, load_tokenizer, tokenizer_files
-from .memory import MemoryFigures
-from .model_runner import ModelRunner, SampledRow
-from .parallel.plan import load_rank, plan_rank, tensor_parallel_size
-from .parallel.ranks import Ranks, start_ranks
-from .sampling_params import RequestSampling
-from .state import RequestState, RequestStates
-from .structured import GrammarCache
+from services.worker.kv_transfer import HostTier, KvTransfer, RedisTier
+from services.worker.kv_transfer.blocks import block_shape
+from services.worker.metrics import WorkerMetrics
+from services.worker.model_runner import ModelRunner, SampledRow
+from services.worker.parallel.plan import load_rank, plan_rank, tensor_parallel_size
+from services.worker.parallel.ranks import Ranks, start_ranks
+from services.worker.request_state import RequestState, RequestStates
+from services.worker.sampling.request_sampling import RequestSampling
+from services.worker.sampling.structured import GrammarCache
+from services.worker.setup.build import LoadedModel, create_runner, max_model_len
+from services.worker.setup.loader import ModelLoadError, eos_token_ids, load_tokenizer, tokenizer_files
+from services.worker.setup.memory import MemoryFigures
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from .attention.base import AttentionMetadata
-from .models.llama import LlamaForCausalLM
+from services.worker.attention.base import AttentionMetadata
+from services.worker.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 

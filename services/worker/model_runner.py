@@ -8,13 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from kvgrid.v1 import common_pb2
-
-from .attention.base import AttentionMetadata
-from .cuda_graphs import DecodeGraphs, capture_sizes
-from .models.llama import LlamaForCausalLM
-from .sampling import Sampler
-from .sampling_params import RequestSampling
-from .state import RequestState
+from services.worker.attention.base import AttentionMetadata
+from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from services.worker.models.llama import LlamaForCausalLM
+from services.worker.request_state import RequestState
+from services.worker.sampling.request_sampling import RequestSampling
+from services.worker.sampling.sampler import Sampler
 
 
 @dataclass(slots=True)

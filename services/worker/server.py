@@ -1,9 +1,13 @@
-"""Starting the worker's gRPC server in-process (main, and other suites' tests)."""
+"""``kvgrid worker``: load the model, size and allocate the KV cache, serve kvgrid.v1.Worker until SIGTERM.
+
+``start_worker`` starts the gRPC server in-process (``main``, and other suites tests)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,13 +15,16 @@ from dataclasses import dataclass
 import grpc
 
 from kvgrid.v1 import worker_pb2, worker_pb2_grpc
+from services.common import tracing
 from services.common.config import Config
-from services.common.metrics import WorkerMetrics
+from services.common.logs import setup_logging
 from services.common.server import Health, add_reflection, bind, new_server
-
-from .core import WorkerCore, build_core
-from .parallel.ranks import exit_now
-from .service import WorkerServicer
+from services.worker.core import WorkerCore, build_core
+from services.worker.metrics import WorkerMetrics
+from services.worker.parallel.ranks import exit_now
+from services.worker.servicer import WorkerServicer
+from services.worker.setup.loader import ModelLoadError
+from services.worker.setup.memory import InsufficientMemory
 
 log = logging.getLogger(__name__)
 
@@ -93,3 +100,41 @@ def _go_down(loop: asyncio.AbstractEventLoop, server: grpc.aio.Server, health: H
         asyncio.run_coroutine_threadsafe(down(reason), loop)
 
     return on_lost
+
+
+log = logging.getLogger(__name__)
+
+
+def main(config: Config) -> int:
+    setup_logging("worker", config.observability.log_level, config.observability.log_format)
+    tracing.setup_tracing("kvgrid-worker")
+    if config.device.num_threads > 0:
+        import torch
+
+        torch.set_num_threads(config.device.num_threads)
+    try:
+        return asyncio.run(_serve(config))
+    except (ModelLoadError, InsufficientMemory) as exc:
+        print(f"kvgrid worker: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a port in use
+        print(f"kvgrid worker: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _serve(config: Config) -> int:
+    metrics = WorkerMetrics(config.model.name)
+    metrics.serve(config.network.worker_metrics_port, config.network.host)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    worker = await start_worker(config, config.network.worker_port, metrics)
+    await stop.wait()
+    grace = config.lifecycle.shutdown_grace
+    log.info("stopping: NOT_SERVING, finishing the requests held for up to %gs", grace)
+    await worker.stop(grace)
+    tracing.shutdown_tracing()
+    return 0

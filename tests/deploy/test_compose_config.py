@@ -12,7 +12,9 @@ import pytest
 import yaml
 
 from services.common import config as cfg
-from services.common import metrics
+from services.scheduler.metrics import SchedulerMetrics
+from services.tokenizer.metrics import TokenizerMetrics
+from services.worker.metrics import WorkerMetrics
 from tests.deploy import compose
 
 INSTALL_HINT = (
@@ -120,7 +122,7 @@ def test_prometheus_scrapes_the_metrics_port_of_each_service():
 def _exported_families() -> set[str]:
     """Metric family names of the three services (counters without their _total suffix)."""
     families = set()
-    for kind in (metrics.TokenizerMetrics, metrics.SchedulerMetrics, metrics.WorkerMetrics):
+    for kind in (TokenizerMetrics, SchedulerMetrics, WorkerMetrics):
         families |= {family.name for family in kind("m").registry.collect()}
     return families
 

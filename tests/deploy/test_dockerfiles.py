@@ -178,7 +178,7 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in BLOCKED:
             raise ImportError(f"{name} is not in the image")
 sys.meta_path.insert(0, Block())
-import kvgrid.healthcheck, kvgrid.cli
+import kvgrid.cli.healthcheck, kvgrid.cli
 for package in ("services.common", "services.tokenizer", "services.scheduler"):
     module = importlib.import_module(package)
     for info in pkgutil.walk_packages(module.__path__, package + "."):

@@ -1,4 +1,4 @@
-"""python -m kvgrid.healthcheck: the container health check exits 0 only for SERVING."""
+"""python -m kvgrid.cli.healthcheck: the container health check exits 0 only for SERVING."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvgrid import healthcheck
+from kvgrid.cli import healthcheck
 from services.common.server import Health, bind, new_server
 from tests.procs import free_port
 

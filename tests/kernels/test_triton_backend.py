@@ -102,7 +102,7 @@ def _generate(runner, prompts: list[list[int]], arrivals: list[int], num_new: in
 @pytest.mark.timeout(300)
 def test_greedy_tokens_equal_torch_backend(tmp_path):
     """The worker's own runner and tiny random Llama (GQA 4:2), once per backend, same greedy tokens."""
-    from services.worker.engine import create_runner, load_model
+    from services.worker.setup.build import create_runner, load_model
     from tests.worker.tiny import save_tiny_model
 
     path = save_tiny_model(str(tmp_path / "tiny"), "llama", seed=3)
@@ -121,7 +121,7 @@ def test_greedy_tokens_equal_torch_backend(tmp_path):
 def test_decode_graphs_give_the_eager_tokens(tmp_path):
     """Decode steps through ``DecodeGraphs`` (captured on CUDA; here the same static, padded buffers run
     eagerly) give the eager runner's greedy tokens, while batches grow and shrink across graph sizes."""
-    from services.worker.engine import create_runner, load_model
+    from services.worker.setup.build import create_runner, load_model
     from tests.worker.tiny import save_tiny_model
 
     path = save_tiny_model(str(tmp_path / "tiny"), "llama", seed=4)

@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 
 from services.common.errors import InvalidArgument
 from services.common.logs import JsonFormatter
-from services.common.metrics import TokenizerMetrics
+from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.request_metrics import RequestMetrics
 from tests.observability.probes import Samples
 

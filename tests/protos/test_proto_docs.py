@@ -12,7 +12,7 @@ import shutil
 import pytest
 from google.protobuf import descriptor_pb2
 
-from kvgrid import protogen
+from tools import protogen
 
 # FileDescriptorProto / DescriptorProto / EnumDescriptorProto / ServiceDescriptorProto field numbers
 FILE_MESSAGE, FILE_ENUM, FILE_SERVICE = 4, 5, 6

@@ -19,7 +19,7 @@ from services.common.config import (
     SchedulerConfig,
 )
 from services.common.server import insecure_channel
-from services.scheduler.service import SchedulerServer, start
+from services.scheduler.server import SchedulerServer, start
 from tests.scheduler.fake_worker import FakeWorkerServer, start_fake_worker
 
 

@@ -10,7 +10,7 @@ import pytest
 from kvgrid.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.common.config import ModelConfig
 from services.common.server import NOT_SERVING, SERVING, insecure_channel
-from services.scheduler.service import start
+from services.scheduler.server import start
 from tests.scheduler.fake_worker import generate, start_fake_worker
 from tests.scheduler.harness import collect, make_config, stack, submit_request
 

@@ -9,9 +9,9 @@ import grpc
 import pytest
 
 from kvgrid.v1 import common_pb2, scheduler_pb2
-from services.common.metrics import TokenizerMetrics
 from services.common.server import CHANNEL_OPTIONS
 from services.tokenizer.generation import generate
+from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.openai.choices import Choice, Pipeline, run_choices
 from services.tokenizer.request_handle import RequestHandle
 from services.tokenizer.text_tokenizer import TextTokenizer

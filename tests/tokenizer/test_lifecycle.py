@@ -126,7 +126,6 @@ def test_the_frontend_never_imports_torch_or_transformers(smollm):
     code = textwrap.dedent(f"""
         import asyncio, sys
         from services.common.config import Config, ModelConfig, NetworkConfig, ObservabilityConfig, SchedulerConfig
-        from services.tokenizer import main
         from services.tokenizer.server import start_tokenizer
 
         async def run():

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from kvgrid.v1 import common_pb2
 from services.worker.attention.base import AttentionMetadata
 from services.worker.attention.torch_backend import TorchAttentionBackend
-from services.worker.cpu_features import cpu_flags
 from services.worker.cpu_kernels import library
-from services.worker.engine import create_runner, load_model
-from services.worker.models.rope import apply_rotary, cos_sin_tables
-from services.worker.sampling_params import RequestSampling
+from services.worker.layers.rope import apply_rotary, cos_sin_tables
+from services.worker.sampling.request_sampling import RequestSampling
+from services.worker.setup.build import create_runner, load_model
+from services.worker.setup.cpu_features import cpu_flags
 from tests.worker.tiny import save_tiny_model
 
 DTYPES = {"float32": (torch.float32, 0), "bfloat16": (torch.bfloat16, 1)}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from services.worker import gguf_cache
-from services.worker.loader import ModelSource
+from services.worker.setup import gguf_cache
+from services.worker.setup.loader import ModelSource
 
 
 def fake_convert(calls):

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.cpu_features import CpuFeatures
 from services.worker.quant import formats, matmul
 from services.worker.quant.install import install_int8
 from services.worker.quant.matmul import int8_gemm_into, packed_embedding, packed_linear
+from services.worker.setup.cpu_features import CpuFeatures
 
 
 def randn(*shape, seed=0):

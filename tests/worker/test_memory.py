@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.memory import (
+from services.worker.setup.memory import (
     CPU_DEFAULT_CAP,
     CUDA_FREE_HEADROOM,
     InsufficientMemory,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.engine import create_runner, load_model
+from services.worker.setup.build import create_runner, load_model
 from tests.worker.tiny import hf_model, request, run_logits, save_tiny_model
 
 CONFIGS = {

@@ -9,11 +9,11 @@ import logging
 import pytest
 import torch
 
-from services.worker.cpu_features import cpu_flags
-from services.worker.cpu_features import detect as detect_cpu
 from services.worker.cpu_kernels import library
-from services.worker.engine import create_runner, load_model
-from services.worker.loader import ModelLoadError
+from services.worker.setup.build import create_runner, load_model
+from services.worker.setup.cpu_features import cpu_flags
+from services.worker.setup.cpu_features import detect as detect_cpu
+from services.worker.setup.loader import ModelLoadError
 from tests.worker.test_cpu_kernels import DTYPES, TOLERANCE
 from tests.worker.tiny import drop_packed_gemms, request, run_logits, save_tiny_model
 
@@ -137,7 +137,7 @@ def test_engine_choice(tmp_path, monkeypatch, caplog):
     path = save_tiny_model(str(tmp_path / "m"))
     assert load_model(path, dtype="float32", device="cpu", cpu_kernels="torch").model.native_path is None
     # float16 is not a dtype the kernels take: auto says why and keeps torch, native refuses to start.
-    with caplog.at_level(logging.INFO, logger="services.worker.engine"):
+    with caplog.at_level(logging.INFO, logger="services.worker.setup.build"):
         assert load_model(path, dtype="float16", device="cpu", cpu_kernels="auto").model.native_path is None
     assert "native CPU kernels unavailable" in caplog.text and "float16" in caplog.text
     with pytest.raises(ModelLoadError, match="--cpu-kernels native: .*float16"):
@@ -146,7 +146,7 @@ def test_engine_choice(tmp_path, monkeypatch, caplog):
     # bfloat16 weights take oneDNN's GEMM on weights reordered at load where the CPU has bfloat16 units; elsewhere
     # they are multiplied in float32, on MKL's packed GEMM from 2 rows.
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="services.worker.engine"):
+    with caplog.at_level(logging.INFO, logger="services.worker.setup.build"):
         assert load_model(path, dtype="bfloat16", device="cpu", cpu_kernels="auto").model.native_path is not None
     if detect_cpu().bf16_units:
         assert "matmuls: the GEMM on oneDNN's reordered bfloat16 weights at every row count" in caplog.text

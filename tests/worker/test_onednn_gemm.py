@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.cpu_kernels import onednn_gemm
-from services.worker.engine import create_runner, load_model
+from services.worker.setup.build import create_runner, load_model
 from tests.worker.test_cpu_kernels import TOLERANCE
 from tests.worker.tiny import drop_packed_gemms, request, run_logits, save_tiny_model
 

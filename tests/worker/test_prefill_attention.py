@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.cpu_features import cpu_flags
 from services.worker.cpu_kernels import library
+from services.worker.setup.cpu_features import cpu_flags
 
 pytestmark = pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the prefill kernel needs AVX-512F")
 

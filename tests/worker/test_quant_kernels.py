@@ -11,10 +11,10 @@ import torch
 
 from services.common.default_model import default_model_path
 from services.worker.cpu_kernels.library import QUANT_PATHS, select_quant_path
-from services.worker.loader import iter_weights, read_config, resolve_source
 from services.worker.quant import formats, matmul
 from services.worker.quant.gguf_weights import read_gguf, unpermute_rows
 from services.worker.quant.matmul import DEQUANTIZE_ROWS, dequantize_rows, linear_into, packed_linear
+from services.worker.setup.loader import iter_weights, read_config, resolve_source
 
 GGML_TYPES = {
     "q8_0": gguf.GGMLQuantizationType.Q8_0,

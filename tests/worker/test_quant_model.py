@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.engine import create_runner, load_model
-from services.worker.models.llama import Embedding, Linear
+from services.worker.layers.linear import Embedding, Linear
 from services.worker.quant import matmul
+from services.worker.setup.build import create_runner, load_model
 from tests.worker.tiny import request, run_logits, save_tiny_model
 
 

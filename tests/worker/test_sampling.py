@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvgrid.v1 import common_pb2
-from services.worker import sampling_filters
-from services.worker.sampling import RequestSampling, Sampler
+from services.worker.sampling import filters as sampling_filters
+from services.worker.sampling.sampler import RequestSampling, Sampler
 
 CPU = torch.device("cpu")
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.penalties import apply_penalties, gather_penalty_state, penalty_params
-from services.worker.sampling import RequestSampling, Sampler
-from services.worker.sampling_params import PENDING_FLUSH_LIMIT
+from services.worker.sampling.penalties import apply_penalties, gather_penalty_state, penalty_params
+from services.worker.sampling.request_sampling import PENDING_FLUSH_LIMIT
+from services.worker.sampling.sampler import RequestSampling, Sampler
 from tests.worker.test_sampling import CPU, params, request
 
 # --- penalties ---

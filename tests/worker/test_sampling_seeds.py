@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.sampling import RequestSampling, Sampler
+from services.worker.sampling.sampler import RequestSampling, Sampler
 from tests.worker.test_sampling import CPU, logits_from_probs, params, request, sample_many, shuffled
 
 # --- seeds ---

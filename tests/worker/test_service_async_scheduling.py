@@ -19,7 +19,7 @@ import pytest
 from kvgrid.v1 import scheduler_pb2_grpc
 from services.common import config as cfg
 from services.common.server import insecure_channel
-from services.scheduler.service import start
+from services.scheduler.server import start
 from services.worker.core import build_core
 from services.worker.server import start_worker
 from tests.scheduler.harness import submit_request

@@ -6,8 +6,8 @@ import pytest
 
 from kvgrid.v1 import worker_pb2
 from services.common.errors import InvalidArgument
-from services.worker.sampling_params import RequestSampling
-from services.worker.state import RequestStates
+from services.worker.request_state import RequestStates
+from services.worker.sampling.request_sampling import RequestSampling
 
 
 def states() -> RequestStates:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvgrid.v1 import common_pb2
-from services.worker.sampling import RequestSampling, Sampler
-from services.worker.structured import GrammarCache, apply_token_masks
+from services.worker.sampling.sampler import RequestSampling, Sampler
+from services.worker.sampling.structured import GrammarCache, apply_token_masks
 from tests.worker.tiny import tiny_bytelevel_tokenizer
 
 VOCAB = 300  # logits width: the tokenizer's 263 ids and padding

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from services.common.config import build_config
-from services.worker.engine import create_runner, load_model
-from services.worker.loader import ModelLoadError
 from services.worker.model_runner import ModelRunner
 from services.worker.models.llama import LlamaArgs
 from services.worker.parallel.follower import pack_step, serve_steps
 from services.worker.parallel.plan import check_options, plan_rank, rank_device
 from services.worker.parallel.sharding import attach_all_reduce, check_size, divisible_sizes, shard_weights
+from services.worker.setup.build import create_runner, load_model
+from services.worker.setup.loader import ModelLoadError
 from tests.worker.test_cli_errors import _one_error_line, _run_worker
 from tests.worker.tiny import request, run_logits, save_tiny_model
 

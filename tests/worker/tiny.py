@@ -9,8 +9,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from kvgrid.v1 import common_pb2  # noqa: E402
-from services.worker.sampling_params import RequestSampling  # noqa: E402
-from services.worker.state import RequestState  # noqa: E402
+from services.worker.request_state import RequestState  # noqa: E402
+from services.worker.sampling.request_sampling import RequestSampling  # noqa: E402
 
 BASE = dict(
     vocab_size=160,

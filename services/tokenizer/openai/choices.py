@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvgrid.v1 import common_pb2, generate_pb2
-from services.common.metrics import TokenizerMetrics
-from services.tokenizer.engine_client import Engine
+from services.tokenizer.engine_client import EngineClient
 from services.tokenizer.generation import generate, merge
+from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.request_metrics import RequestMetrics
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.tokenizer.validation import ModelLimits
@@ -38,7 +38,7 @@ class Choice:
 class Pipeline:
     """What a choice needs to run: the engine client and the model's tokenizer and limits."""
 
-    engine: Engine
+    engine: EngineClient
     tokenizer: TextTokenizer
     limits: ModelLimits
     metrics: TokenizerMetrics

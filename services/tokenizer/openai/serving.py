@@ -16,10 +16,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvgrid.v1 import generate_pb2
 from services.common.errors import InvalidArgument, KvgridError
-from services.common.metrics import TokenizerMetrics
 from services.common.tracing import extract
 from services.tokenizer import validation as v
-from services.tokenizer.engine_client import Engine
+from services.tokenizer.engine_client import EngineClient
+from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.openai import params as p
 from services.tokenizer.openai.choices import Pipeline, plan_choices, run_choices
@@ -36,7 +36,7 @@ class ClientGone(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, state: ModelState, engine: Engine, metrics: TokenizerMetrics):
+    def __init__(self, state: ModelState, engine: EngineClient, metrics: TokenizerMetrics):
         self.state = state
         self.engine = engine
         self.metrics = metrics

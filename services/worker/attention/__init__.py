@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import AttentionBackend, AttentionMetadata
+from services.worker.attention.base import AttentionBackend, AttentionMetadata
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "get_backend"]
 
@@ -12,11 +12,11 @@ def get_backend(name: str, device: str) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.startswith("cuda") else "torch"
     if name == "torch":
-        from .torch_backend import TorchAttentionBackend
+        from services.worker.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
     if name == "triton":
-        from .triton_backend import TritonAttentionBackend
+        from services.worker.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(device)
     raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or triton)")

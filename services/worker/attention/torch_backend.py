@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import AttentionBackend, AttentionMetadata
+from services.worker.attention.base import AttentionBackend, AttentionMetadata
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import AttentionBackend, AttentionMetadata
+from services.worker.attention.base import AttentionBackend, AttentionMetadata
 
 # tl.dot and bfloat16 need Volta or newer; older GPUs stay on the torch backend.
 _MIN_CAPABILITY = (7, 0)

@@ -32,8 +32,8 @@ from ctypes import c_float, c_int, c_int64, c_void_p
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cache_dir import cache_root
-from ..cpu_features import cpu_flags
+from services.worker.setup.cache_dir import cache_root
+from services.worker.setup.cpu_features import cpu_flags
 
 HERE = Path(__file__).parent
 SOURCE = HERE / "decode_kernels.c"

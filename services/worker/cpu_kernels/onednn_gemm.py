@@ -10,7 +10,7 @@ at 1 row, 1.4x at 4. The products are ``F.linear``'s bit for bit (the same kerne
 chosen once). The reordered weight holds the weight once more (~1x its bytes resident).
 
 Only where the CPU has bfloat16 units (AVX512-BF16, AMX): elsewhere oneDNN emulates bfloat16 and
-the model multiplies in float32 (``models.llama.Linear.upcast``).
+the model multiplies in float32 (``layers.linear.Linear.upcast``).
 """
 
 from __future__ import annotations

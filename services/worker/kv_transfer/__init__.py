@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .host import HostTier
-from .redis_tier import RedisTier
-from .transfer import KvTransfer
+from services.worker.kv_transfer.host import HostTier
+from services.worker.kv_transfer.redis_tier import RedisTier
+from services.worker.kv_transfer.transfer import KvTransfer
 
 __all__ = ["HostTier", "KvTransfer", "RedisTier"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import lazily_zeroed
-from .blocks import KvCaches, block_shape, gather, scatter
+from services.worker.kv_cache import lazily_zeroed
+from services.worker.kv_transfer.blocks import KvCaches, block_shape, gather, scatter
 
 
 class HostTier:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import layout
+from services.worker.kv_transfer import layout
 
 log = logging.getLogger(__name__)
 

@@ -14,12 +14,11 @@ import time
 
 from kvgrid.v1 import worker_pb2
 from services.common.errors import InvalidArgument
-from services.common.metrics import WorkerMetrics
-
-from ..state import RequestState
-from .blocks import KvCaches, gather, scatter
-from .host import HostTier
-from .redis_tier import RedisTier
+from services.worker.kv_transfer.blocks import KvCaches, gather, scatter
+from services.worker.kv_transfer.host import HostTier
+from services.worker.kv_transfer.redis_tier import RedisTier
+from services.worker.metrics import WorkerMetrics
+from services.worker.request_state import RequestState
 
 log = logging.getLogger(__name__)
 

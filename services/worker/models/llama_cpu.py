@@ -26,11 +26,11 @@ import ctypes
 
 import torch
 
-from ..attention.base import AttentionMetadata
-from ..cpu_features import detect as detect_cpu
-from ..cpu_kernels.library import DTYPE_CODES, NativeKernelsUnavailable, load_prefill, load_quant
-from ..quant.formats import FORMAT_CODES
-from ..quant.matmul import DEQUANTIZE_ROWS, linear_into, packed_linear
+from services.worker.attention.base import AttentionMetadata
+from services.worker.cpu_kernels.library import DTYPE_CODES, NativeKernelsUnavailable, load_prefill, load_quant
+from services.worker.quant.formats import FORMAT_CODES
+from services.worker.quant.matmul import DEQUANTIZE_ROWS, linear_into, packed_linear
+from services.worker.setup.cpu_features import detect as detect_cpu
 
 # Float weights without a packed GEMM: rows up to which the native GEMV beats torch's GEMM. Measured on a 2-core AVX2
 # CPU against the torch path: bf16 1.7x at 8 requests, 1.4x at 16, 0.9x at 24; float32 1.2x at 24.

@@ -17,14 +17,13 @@ import sys
 import torch
 
 from services.common.logs import setup_logging
-
-from ..attention.base import AttentionMetadata
-from ..engine import create_runner, max_model_len
-from ..loader import ModelLoadError
-from ..memory import InsufficientMemory
-from ..model_runner import ModelRunner, StepInputs
-from .group import DistGroup, RankLost
-from .plan import RankPlan, load_rank, plan_rank, rank_device
+from services.worker.attention.base import AttentionMetadata
+from services.worker.model_runner import ModelRunner, StepInputs
+from services.worker.parallel.group import DistGroup, RankLost
+from services.worker.parallel.plan import RankPlan, load_rank, plan_rank, rank_device
+from services.worker.setup.build import create_runner, max_model_len
+from services.worker.setup.loader import ModelLoadError
+from services.worker.setup.memory import InsufficientMemory
 
 log = logging.getLogger(__name__)
 

@@ -8,12 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from services.common.config import Config
-
-from ..engine import LoadedModel, load_model, plan_memory
-from ..loader import ModelLoadError
-from ..memory import MemoryFigures
-from .group import DistGroup
-from .sharding import attach_all_reduce
+from services.worker.parallel.group import DistGroup
+from services.worker.parallel.sharding import attach_all_reduce
+from services.worker.setup.build import LoadedModel, load_model, plan_memory
+from services.worker.setup.loader import ModelLoadError
+from services.worker.setup.memory import MemoryFigures
 
 log = logging.getLogger(__name__)
 

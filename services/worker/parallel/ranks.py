@@ -24,15 +24,14 @@ from collections.abc import Callable
 import torch
 
 from services.common.config import Config
-
-from ..gguf_cache import cached_source
-from ..loader import ModelLoadError, read_config, resolve_source
-from ..memory import cpu_kv_cache_bytes, read_meminfo
-from ..model_runner import ModelRunner, StepInputs
-from .follower import follower_main, pack_step
-from .group import DistGroup, RankLost
-from .plan import RankPlan, check_options, rank_device, tensor_parallel_size
-from .sharding import check_size
+from services.worker.model_runner import ModelRunner, StepInputs
+from services.worker.parallel.follower import follower_main, pack_step
+from services.worker.parallel.group import DistGroup, RankLost
+from services.worker.parallel.plan import RankPlan, check_options, rank_device, tensor_parallel_size
+from services.worker.parallel.sharding import check_size
+from services.worker.setup.gguf_cache import cached_source
+from services.worker.setup.loader import ModelLoadError, read_config, resolve_source
+from services.worker.setup.memory import cpu_kv_cache_bytes, read_meminfo
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from ..models.llama import LlamaArgs, LlamaForCausalLM
+from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split dim 0 (outputs)
 ROW_PARALLEL = ("o_proj", "down_proj")  # split dim 1 (inputs), all-reduce after

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from .formats import PackedWeight
+from services.worker.quant.formats import PackedWeight
 
 _KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 _LAYER_NAMES = {

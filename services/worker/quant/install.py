@@ -13,8 +13,8 @@ import logging
 import torch
 from torch import nn
 
-from .formats import PackedWeight, concat_rows, dequantize, quantize_int8
-from .matmul import kernel_layout
+from services.worker.quant.formats import PackedWeight, concat_rows, dequantize, quantize_int8
+from services.worker.quant.matmul import kernel_layout
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from .gguf_weights import read_gguf
-from .install import install_int8
+from services.worker.quant.gguf_weights import read_gguf
+from services.worker.quant.install import install_int8
 
 QUANTIZATIONS = ("none", "int8", "gguf")
 
@@ -25,7 +25,7 @@ def quantize_loaded(model: nn.Module, quantization: str) -> None:
     """``int8``: every matmul weight and the embedding table to int8 with per-channel scales."""
     if quantization != "int8":
         return
-    from ..models.llama import Embedding, Linear
+    from services.worker.layers.linear import Embedding, Linear
 
     modules = [m for m in model.modules() if isinstance(m, Linear | Embedding)]
     install_int8(model, modules)

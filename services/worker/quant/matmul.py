@@ -30,9 +30,9 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from ..cpu_features import detect
-from ..cpu_kernels.library import DTYPE_CODES, NativeKernelsUnavailable, load_quant
-from .formats import FORMAT_CODES, PackedWeight, dequantize, reference_int8_gemm, tile, untile
+from services.worker.cpu_kernels.library import DTYPE_CODES, NativeKernelsUnavailable, load_quant
+from services.worker.quant.formats import FORMAT_CODES, PackedWeight, dequantize, reference_int8_gemm, tile, untile
+from services.worker.setup.cpu_features import detect
 
 # Rows from which a float32 GEMM over a per-call dequantized copy beats the integer kernel. Whole
 # int8 decode steps on 2 cores (tiled kernel): native 1.6x faster at 64 rows and faster at 96, the

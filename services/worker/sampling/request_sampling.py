@@ -10,7 +10,7 @@ import torch
 from kvgrid.v1 import common_pb2
 
 if TYPE_CHECKING:
-    from services.worker.structured import TokenConstraint
+    from services.worker.sampling.structured import TokenConstraint
 
 # Temperatures below this sample like greedy: softmax(logits / T) is one-hot long before T reaches 0.
 GREEDY_TEMPERATURE = 1e-5

@@ -12,7 +12,7 @@ import sys
 
 import grpc
 
-from kvgrid.client import add_connection_arguments, add_sampling_arguments, describe_error, sampling_from_args
+from kvgrid.cli.generate import add_connection_arguments, add_sampling_arguments, describe_error, sampling_from_args
 from kvgrid.v1 import generate_pb2, generate_pb2_grpc
 
 EXIT_COMMANDS = ("/exit", "/quit")

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from .attention.base import AttentionBackend
-from .models.llama import ARCHITECTURES, LlamaArgs, LlamaForCausalLM
-from .models.rope import RopeError, inverse_frequencies
-from .parallel.sharding import shard_weights
-from .quant.load import quantize_loaded, quantized_weights
+from services.worker.attention.base import AttentionBackend
+from services.worker.layers.rope import RopeError, inverse_frequencies
+from services.worker.models.llama import ARCHITECTURES, LlamaArgs, LlamaForCausalLM
+from services.worker.parallel.sharding import shard_weights
+from services.worker.quant.load import quantize_loaded, quantized_weights
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""``python -m kvgrid.healthcheck HOST:PORT [SERVICE]``: exit 0 iff the gRPC health check says SERVING.
+"""``python -m kvgrid.cli.healthcheck HOST:PORT [SERVICE]``: exit 0 iff the gRPC health check says SERVING.
 
 Container health checks (docker compose) call this; it imports grpc only, never torch, so it
 runs in every image and answers within the timeout even when the server hangs.
@@ -22,7 +22,7 @@ def check(addr: str, service: str = "", timeout: float = 3.0) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvgrid.healthcheck", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvgrid.cli.healthcheck", description=__doc__.splitlines()[0])
     parser.add_argument("addr", help="HOST:PORT of a kvgrid gRPC server")
     parser.add_argument("service", nargs="?", default="", help="service name to check ('' : the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")

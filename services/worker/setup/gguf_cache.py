@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .cache_dir import cache_root
-from .loader import ModelLoadError, ModelSource, iter_weights, load_tokenizer, read_config
+from services.worker.setup.cache_dir import cache_root
+from services.worker.setup.loader import ModelLoadError, ModelSource, iter_weights, load_tokenizer, read_config
 
 log = logging.getLogger(__name__)
 

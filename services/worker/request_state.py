@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 
 from kvgrid.v1 import common_pb2, worker_pb2
 from services.common.errors import InvalidArgument
-
-from .sampling_params import RequestSampling
+from services.worker.sampling.request_sampling import RequestSampling
 
 SamplingFactory = Callable[[common_pb2.SamplingParams, list[int], list[int]], RequestSampling]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.sampling_params import PENDING_FLUSH_LIMIT, RequestSampling, device_tensor
+from services.worker.sampling.request_sampling import PENDING_FLUSH_LIMIT, RequestSampling, device_tensor
 
 
 def gather_penalty_state(

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from kvgrid.v1 import common_pb2
-from services.worker.penalties import apply_penalties, gather_penalty_state, penalty_params
-from services.worker.sampling_filters import apply_min_p, apply_top_k, apply_top_k_top_p
-from services.worker.sampling_params import RequestSampling, device_tensor
-from services.worker.structured import apply_token_masks
+from services.worker.sampling.filters import apply_min_p, apply_top_k, apply_top_k_top_p
+from services.worker.sampling.penalties import apply_penalties, gather_penalty_state, penalty_params
+from services.worker.sampling.request_sampling import RequestSampling, device_tensor
+from services.worker.sampling.structured import apply_token_masks
 
 __all__ = ["RequestSampling", "Sampler", "SamplerOutput", "position_seed"]
 

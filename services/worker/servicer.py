@@ -12,11 +12,10 @@ from opentelemetry import trace
 from kvgrid.v1 import worker_pb2, worker_pb2_grpc
 from services.common import tracing
 from services.common.errors import Unavailable, grpc_errors
-from services.common.metrics import WorkerMetrics
-
-from .core import WorkerCore
-from .model_runner import SampledRow
-from .state import RequestState, RequestStates
+from services.worker.core import WorkerCore
+from services.worker.metrics import WorkerMetrics
+from services.worker.model_runner import SampledRow
+from services.worker.request_state import RequestState, RequestStates
 
 log = logging.getLogger(__name__)
 

@@ -12,20 +12,27 @@ from typing import Any
 
 import torch
 
-from .attention import get_backend
-from .cpu_features import detect as detect_cpu
-from .cpu_kernels.library import NativeKernelsUnavailable, attention_path
-from .cpu_kernels.library import load as load_native_kernels
-from .gguf_cache import cached_source
-from .kv_cache import allocate_kv_cache
-from .loader import ModelLoadError, ModelSource, build_model, read_config, resolve_source
-from .memory import MemoryFigures, bytes_per_block, check_fits, cpu_figures, cuda_figures, read_meminfo
-from .model_runner import ModelRunner, profile_cache_blocks
-from .models.llama import LlamaArgs, LlamaForCausalLM
-from .models.llama_cpu import NativeCpuPath
-from .parallel.sharding import check_size, shard_args
-from .quant.install import packed_bytes
-from .sampling import Sampler
+from services.worker.attention import get_backend
+from services.worker.cpu_kernels.library import NativeKernelsUnavailable, attention_path
+from services.worker.cpu_kernels.library import load as load_native_kernels
+from services.worker.kv_cache import allocate_kv_cache
+from services.worker.model_runner import ModelRunner, profile_cache_blocks
+from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
+from services.worker.models.llama_cpu import NativeCpuPath
+from services.worker.parallel.sharding import check_size, shard_args
+from services.worker.quant.install import packed_bytes
+from services.worker.sampling.sampler import Sampler
+from services.worker.setup.cpu_features import detect as detect_cpu
+from services.worker.setup.gguf_cache import cached_source
+from services.worker.setup.loader import ModelLoadError, ModelSource, build_model, read_config, resolve_source
+from services.worker.setup.memory import (
+    MemoryFigures,
+    bytes_per_block,
+    check_fits,
+    cpu_figures,
+    cuda_figures,
+    read_meminfo,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +104,7 @@ def load_model(
     the returned ``args`` are the rank's shapes, so its KV cache holds only its KV heads.
 
     ``upcast_matmuls`` (None: auto) multiplies half-precision weights in float32, which is what a
-    CPU without bfloat16 units should do (see ``models.llama.Linear``). ``cpu_kernels``: see
+    CPU without bfloat16 units should do (see ``layers.linear.Linear``). ``cpu_kernels``: see
     ``attach_cpu_kernels``. ``quantization``: none, int8 or gguf (see ``quant/``), CPU only."""
     started = time.perf_counter()
     source = resolve_source(model_path, load_format)

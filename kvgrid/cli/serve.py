@@ -5,10 +5,18 @@ with backoff, the frontend waits for the scheduler), each with its own flags fro
 the shared configuration. `serve` waits until every gRPC health check answers
 SERVING, prints the endpoints, and then stays in the foreground. A child that
 dies after that is restarted with backoff (a worker's requests wait for it in the
-scheduler); one that keeps dying (see ``restarts``) stops the stack with exit
+scheduler); one that keeps dying (see ``RestartPolicy``) stops the stack with exit
 code 1, as does any child dying during start-up. Ctrl-C or SIGTERM drains in
 order: the frontend first (its streams finish within --shutdown-grace), then the
 scheduler, then the worker.
+
+On a small machine the three services share the cores, and the worker's OpenMP team
+(one thread per core) loses a core whenever the frontend or scheduler wakes. The
+native kernels hand work out dynamically, so a thread that loses its core delays
+only its chunk; and the team's idle threads spin (``GOMP_SPINCOUNT``) long enough
+to catch the next parallel region of a step, which Python glue separates from the
+last, instead of paying a wake-up each time (see ``worker_arrangement``). A user's
+own OpenMP settings win.
 """
 
 from __future__ import annotations
@@ -21,13 +29,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvgrid.restarts import RestartPolicy
-from kvgrid.threads import worker_arrangement
 from services.common import config as cfg
 
 # Order of start-up and of the summary; shutdown runs in reverse (frontend first).
@@ -35,6 +43,55 @@ SERVICE_ORDER = ("worker", "scheduler", "tokenizer")
 # Beyond its --shutdown-grace, how long a stopping child may take to close before it is killed.
 STOP_MARGIN_SECONDS = 10.0
 POLL_SECONDS = 0.5
+
+
+# Restarts: exponential backoff, and a limit on crashes in a window.
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+# More crashes than this within the window stop the stack: a child that keeps dying needs a person.
+MAX_CRASHES = 5
+WINDOW_S = 120.0
+
+
+@dataclass(slots=True)
+class RestartPolicy:
+    first_backoff: float = FIRST_BACKOFF_S
+    max_backoff: float = MAX_BACKOFF_S
+    max_crashes: int = MAX_CRASHES
+    window: float = WINDOW_S
+    _crashes: deque[float] = field(default_factory=deque)
+
+    def crashed(self, now: float) -> float | None:
+        """Record a crash at ``now``; the seconds to wait before restarting, or None when it crashed too often."""
+        self._crashes.append(now)
+        while self._crashes and now - self._crashes[0] > self.window:
+            self._crashes.popleft()
+        if len(self._crashes) > self.max_crashes:
+            return None
+        return min(self.first_backoff * 2 ** (len(self._crashes) - 1), self.max_backoff)
+
+    @property
+    def num_recent(self) -> int:
+        return len(self._crashes)
+
+
+SPIN = "300000"  # libgomp spin iterations (its default), set explicitly so the arrangement does not depend on the build
+OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def worker_arrangement(num_threads: int, num_cores: int, environ: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """(variables to add to the worker's environment, one line for the log)."""
+    threads = num_threads or num_cores
+    own = [f"{name}={environ[name]}" for name in OPENMP_VARIABLES if name in environ]
+    if own:
+        return {}, f"worker: {threads} threads, OpenMP waits as set ({', '.join(own)})"
+    if threads + 2 <= num_cores:
+        return {}, f"worker: {threads} threads on {num_cores} cores, cores to spare for frontend and scheduler"
+    return (
+        {"GOMP_SPINCOUNT": SPIN},
+        f"worker: {threads} threads sharing {num_cores} cores with frontend and scheduler;"
+        f" idle threads spin through a step's gaps, then sleep (GOMP_SPINCOUNT={SPIN})",
+    )
 
 
 @dataclass(slots=True)
@@ -94,7 +151,7 @@ def build_children(config: cfg.Config) -> list[Child]:
 
 
 def arrange_worker_threads(config: cfg.Config, worker: Child) -> None:
-    """The worker's OpenMP arrangement for this machine (see kvgrid.threads), logged."""
+    """The worker's OpenMP arrangement for this machine (see kvgrid.cli.serve), logged."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     worker.env, line = worker_arrangement(config.device.num_threads, cores, os.environ)
     _say(line)

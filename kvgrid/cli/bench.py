@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from kvgrid.client import add_connection_arguments, describe_error
+from kvgrid.cli.generate import add_connection_arguments, describe_error
 from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from services.common.server import insecure_channel
 

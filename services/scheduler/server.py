@@ -1,9 +1,12 @@
-"""The scheduler's gRPC server, startable in-process (tests of other services use ``start``)."""
+"""``kvgrid scheduler``: serve kvgrid.v1.Scheduler until SIGTERM or SIGINT.
+
+``start`` runs it in-process (tests of other services use it)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from dataclasses import dataclass
 
@@ -11,9 +14,11 @@ import grpc
 
 from kvgrid.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.config import Config
-from services.common.metrics import SchedulerMetrics
+from services.common.logs import setup_logging
 from services.common.server import Health, add_reflection, bind, new_server
+from services.common.tracing import setup_tracing, shutdown_tracing
 from services.scheduler.engine import Engine
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.servicer import SchedulerServicer
 
 log = logging.getLogger(__name__)
@@ -58,3 +63,32 @@ async def start(config: Config, serve_metrics: bool = False) -> SchedulerServer:
     engine.start()
     log.info("scheduler serving on %s:%d, worker at %s", config.network.host, port, config.network.worker_addr)
     return SchedulerServer(server, port, engine, health, metrics)
+
+
+log = logging.getLogger(__name__)
+
+
+async def serve(config: Config) -> int:
+    try:
+        server = await start(config, serve_metrics=True)
+    except OSError as e:  # a port in use
+        log.error("cannot start the scheduler: %s", e)
+        return 1
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    grace = config.lifecycle.shutdown_grace
+    log.info("stopping: NOT_SERVING, refusing new requests, finishing live ones for up to %gs", grace)
+    await server.stop(grace)
+    return 0
+
+
+def main(config: Config) -> int:
+    setup_logging("scheduler", config.observability.log_level, config.observability.log_format)
+    setup_tracing("kvgrid-scheduler")
+    try:
+        return asyncio.run(serve(config))
+    finally:
+        shutdown_tracing()

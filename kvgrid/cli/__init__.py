@@ -15,9 +15,9 @@ from services.common.logs import disable_progress_bars
 
 # subcommand -> (module with `main(config) -> int`, config sections it takes, help)
 SERVICES = {
-    "serve": ("kvgrid.serve", cfg.ALL_SECTIONS, "start worker, scheduler and tokenizer locally"),
+    "serve": ("kvgrid.cli.serve", cfg.ALL_SECTIONS, "start worker, scheduler and tokenizer locally"),
     "worker": (
-        "services.worker.main",
+        "services.worker.server",
         (
             cfg.ModelConfig,
             cfg.LoadConfig,
@@ -32,7 +32,7 @@ SERVICES = {
         "serve the model (kvgrid.v1.Worker)",
     ),
     "scheduler": (
-        "services.scheduler.main",
+        "services.scheduler.server",
         (
             cfg.ModelConfig,
             cfg.CacheConfig,
@@ -44,7 +44,7 @@ SERVICES = {
         "serve the scheduler (kvgrid.v1.Scheduler)",
     ),
     "tokenizer": (
-        "services.tokenizer.main",
+        "services.tokenizer.server",
         (
             cfg.ModelConfig,
             cfg.SchedulerConfig,
@@ -58,9 +58,9 @@ SERVICES = {
 }
 # subcommands that parse their own arguments: module with `main(argv) -> int`
 CLIENTS = {
-    "generate": ("kvgrid.client", "stream a completion to stdout"),
-    "chat": ("kvgrid.chat", "chat in the terminal"),
-    "bench": ("kvgrid.bench", "serving benchmark against a running stack"),
+    "generate": ("kvgrid.cli.generate", "stream a completion to stdout"),
+    "chat": ("kvgrid.cli.chat", "chat in the terminal"),
+    "bench": ("kvgrid.cli.bench", "serving benchmark against a running stack"),
     "run-batch": ("kvgrid.offline.run_batch", "run an OpenAI batch file (JSONL) offline, in this process"),
 }
 

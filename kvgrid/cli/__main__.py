@@ -1,0 +1,5 @@
+import sys
+
+from kvgrid.cli import main
+
+sys.exit(main())
