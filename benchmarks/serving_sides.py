@@ -69,12 +69,13 @@ def run_worker(core, config, shape: Shape) -> tuple[int, float]:
     batching the stack does, with the same limits and plans of several decode steps sized from the measured
     step times, ``concurrency`` requests admitted at a time."""
     from services.scheduler.convert import plan_to_proto, stop_conditions_from_proto
-    from services.scheduler.engine import build_scheduler
+    from services.scheduler.core import SchedulerCore
     from services.scheduler.request import Request
     from services.worker.request_state import RequestStates
     from services.worker.sampling.request_sampling import RequestSampling
 
-    scheduler, _ = build_scheduler(core.handshake, config)
+    sched = SchedulerCore.for_worker(core.handshake, config)
+    scheduler = sched.scheduler
     runner = core.runner
 
     def make_sampling(params, prompt, outputs):
@@ -90,12 +91,12 @@ def run_worker(core, config, shape: Shape) -> tuple[int, float]:
             sampling = common_pb2.SamplingParams(max_tokens=n, ignore_eos=True)
             scheduler.add_request(Request(f"r{i}", prompt, stop_conditions_from_proto(sampling), sampling))
             in_flight += 1
-        out = scheduler.schedule()
+        out = sched.plan()
         plan = plan_to_proto(out)
         started = time.perf_counter()
         rows, _ = core.execute(plan, states.apply(plan))
-        scheduler.plan_steps.record(out, time.perf_counter() - started)
-        results = scheduler.update_from_output(out, [(r.request.request_id, r.token_id, None) for r in rows])
+        seconds = time.perf_counter() - started
+        results = sched.finish_step(out, [(r.request.request_id, r.token_id, None) for r in rows], seconds)
         produced += len(results)
         in_flight -= sum(r.finish is not None for r in results)
     return produced, time.perf_counter() - start

@@ -3,36 +3,38 @@
 Each step is the same exchange the services have over gRPC, minus the wire: the
 scheduler's plan becomes the worker's StepPlan message (the one conversion both sides
 already share), the worker's request states apply it, the runner executes it, and the
-sampled tokens go back to ``update_from_output``.
+sampled tokens go back to ``SchedulerCore.finish_step``, as the gRPC step loop does.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from services.common.config import Config
+from services.scheduler.admission import AdmissionLimits
 from services.scheduler.convert import plan_to_proto
-from services.scheduler.engine import build_scheduler
+from services.scheduler.core import SchedulerCore, StepCounters
 from services.scheduler.request import Request
-from services.scheduler.scheduler import RequestOutput
+from services.scheduler.scheduler import RequestOutput, Scheduler
 from services.worker.core import WorkerCore
 
-
-@dataclass(slots=True)
-class EngineStats:
-    num_steps: int
-    num_preemptions: int
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of those, tokens found
+# What LLM.stats() returns: the scheduler core's counters since the LLM was built.
+EngineStats = StepCounters
 
 
 class OfflineEngine:
     def __init__(self, core: WorkerCore, config: Config):
         self.core = core
-        self.scheduler, self.admission = build_scheduler(core.handshake, config)
+        self.scheduler_core = SchedulerCore.for_worker(core.handshake, config)
         self.states = core.request_states()
-        self.num_steps = 0
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.scheduler_core.scheduler
+
+    @property
+    def admission(self) -> AdmissionLimits:
+        return self.scheduler_core.admission
 
     def add(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -45,7 +47,7 @@ class OfflineEngine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        out = self.scheduler_core.plan()
         if out.is_empty:
             raise RuntimeError(
                 f"the scheduler planned nothing with {self.scheduler.num_waiting} requests waiting and "
@@ -55,12 +57,9 @@ class OfflineEngine:
         self.core.check_plan(plan)
         started = time.perf_counter()
         rows, num_failed = self.core.execute(plan, self.states.apply(plan))
-        self.scheduler.plan_steps.record(out, time.perf_counter() - started)
-        if num_failed:
-            self.scheduler.tiers.record_failed_loads(num_failed, out.kv_loads())
-        self.num_steps += out.num_steps
-        return self.scheduler.update_from_output(out, [(r.request.request_id, r.token_id, r.logprob) for r in rows])
+        seconds = time.perf_counter() - started
+        sampled = [(r.request.request_id, r.token_id, r.logprob) for r in rows]
+        return self.scheduler_core.finish_step(out, sampled, seconds, num_failed)
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
-        return EngineStats(self.num_steps, s.num_preemptions, s.kv.prefix_queries, s.kv.prefix_hits)
+        return self.scheduler_core.counters()

@@ -1,8 +1,8 @@
 """The step loop: one task that owns the worker connection and the scheduler built for it.
 
-Per worker session: connect and handshake, build a fresh block pool and
-scheduler sized from the reply, report ready, then plan → send → await the
-result → update → deliver, for as long as there is work. With async scheduling
+Per worker session: connect and handshake, build a fresh ``SchedulerCore`` (block
+pool and scheduler sized from the reply), report ready, then plan → send → await
+the result → finish the step → deliver, for as long as there is work. With async scheduling
 the next plan is sent before the current result is read, so the worker always
 has the next step queued while it runs one (at most two plans are in flight).
 Delivery ends with one flush per connected frontend: one message per step each;
@@ -31,16 +31,14 @@ from kvgrid.v1 import scheduler_pb2, worker_pb2
 from services.common.config import Config
 from services.common.errors import ResourceExhausted, Unavailable
 from services.scheduler import plan_steps
-from services.scheduler.admission import AdmissionLimits, admit
-from services.scheduler.block_pool import BlockPool
+from services.scheduler.admission import admit
 from services.scheduler.convert import plan_to_proto, sampled_from_proto
+from services.scheduler.core import SchedulerCore, StepCounters
 from services.scheduler.frontends import FrontendRequest, FrontendStream
-from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_events import KvEventLog
-from services.scheduler.kv_tiers import build_tiers
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler, SchedulerLimits, SchedulerOutput, WorkerProtocolError
+from services.scheduler.scheduler import SchedulerOutput, WorkerProtocolError
 from services.scheduler.streams import RequestStream
 from services.scheduler.worker_link import WorkerSession, connect
 
@@ -58,32 +56,6 @@ class WorkerLost(ConnectionError):
 _GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
-def build_scheduler(
-    info: worker_pb2.HandshakeResponse, config: Config, metrics: SchedulerMetrics | None = None
-) -> tuple[Scheduler, AdmissionLimits]:
-    """A fresh scheduler over a fresh pool of the worker's blocks, with the tighter of both sides' limits."""
-    pool_tokens = info.num_blocks * info.block_size
-    max_model_len = min((n for n in (info.max_model_len, config.model.max_model_len) if n > 0), default=pool_tokens)
-    sched = config.scheduler
-    limits = SchedulerLimits(
-        max_num_seqs=min(n for n in (sched.max_num_seqs, info.max_num_seqs) if n > 0),
-        max_num_batched_tokens=min(n for n in (sched.max_num_batched_tokens, info.max_num_batched_tokens) if n > 0),
-        max_model_len=max_model_len,
-        policy=sched.scheduling_policy,
-        num_scheduler_steps=sched.num_scheduler_steps,
-    )
-    kv = KVCacheManager(BlockPool(info.num_blocks, config.cache.enable_prefix_caching), info.block_size)
-    admission = AdmissionLimits(
-        max_model_len=max_model_len,
-        num_blocks=info.num_blocks,
-        block_size=info.block_size,
-        vocab_size=info.vocab_size,
-        max_waiting_requests=sched.max_waiting_requests,
-    )
-    tiers = build_tiers(info, config, metrics)
-    return Scheduler(limits, kv, info.eos_token_ids, tiers), admission
-
-
 class Engine:
     def __init__(
         self,
@@ -95,8 +67,7 @@ class Engine:
         self.metrics = metrics
         self._on_ready = on_ready
         self.worker_info: worker_pb2.HandshakeResponse | None = None
-        self._core: Scheduler | None = None
-        self._admission: AdmissionLimits | None = None
+        self._core: SchedulerCore | None = None
         # request id -> where its outputs go: a RequestStream (Submit) or a FrontendRequest (Connect).
         self._streams: dict[str, RequestStream | FrontendRequest] = {}
         self.frontends: set[FrontendStream] = set()
@@ -108,8 +79,7 @@ class Engine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         # Counters of sessions that ended, so GetStats counts since start.
-        self._past = {"queries": 0, "hits": 0, "preemptions": 0}
-        self._num_steps = 0
+        self._past = StepCounters()
         self._draining = False
         self._kv_events = KvEventLog()
 
@@ -149,10 +119,10 @@ class Engine:
             raise Unavailable("the scheduler is shutting down and takes no new requests")
         if core is None:
             raise Unavailable(f"no worker is ready yet (waiting for the worker at {self.config.network.worker_addr})")
-        request = admit(msg, self._admission, core.requests, core.num_waiting)
+        request = admit(msg, core.admission, core.scheduler.requests, core.scheduler.num_waiting)
         request.trace_context = trace_context
         stream = make_stream(request)
-        core.add_request(request)
+        core.scheduler.add_request(request)
         self._streams[request.request_id] = stream
         self._wake.set()
         return stream
@@ -163,7 +133,7 @@ class Engine:
         if stream is None:
             return False
         if self._core is not None:
-            self._core.abort_request(request_id)
+            self._core.scheduler.abort_request(request_id)
         self._parked = [request for request in self._parked if request.request_id != request_id]
         stream.abort()
         self._wake.set()
@@ -174,7 +144,7 @@ class Engine:
         frontend = FrontendStream(peer, self.abort)
         self.frontends.add(frontend)
         core = self._core
-        cached = dict.fromkeys(core.kv.pool.cached_hashes(), True) if core is not None else {}
+        cached = dict.fromkeys(core.scheduler.kv.pool.cached_hashes(), True) if core is not None else {}
         frontend.publish(self.load(), True, cached, self._kv_events.block_size)
         return frontend
 
@@ -189,12 +159,10 @@ class Engine:
             self.abort(stream.request.request_id)
 
     def load(self) -> scheduler_pb2.GroupLoad:
-        core = self._core
-        if core is None:
+        if self._core is None:
             return scheduler_pb2.GroupLoad(num_waiting=len(self._parked))
-        return scheduler_pb2.GroupLoad(
-            num_running=core.num_running, num_waiting=core.num_waiting, kv_cache_usage=core.kv.usage
-        )
+        s = self._core.scheduler
+        return scheduler_pb2.GroupLoad(num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv.usage)
 
     def _publish(self) -> None:
         """Tell every frontend stream what changed for routing (load, prefix-cache contents) since last time."""
@@ -205,30 +173,28 @@ class Engine:
             frontend.publish(load, cleared, changes, self._kv_events.block_size)
 
     def stats(self) -> scheduler_pb2.SchedulerStats:
-        past = self._past
-        stats = scheduler_pb2.SchedulerStats(
-            prefix_cache_queries=past["queries"],
-            prefix_cache_hits=past["hits"],
-            num_preemptions=past["preemptions"],
-            num_steps=self._num_steps,
-        )
         core = self._core
+        counts = self._past if core is None else self._past + core.counters()
+        stats = scheduler_pb2.SchedulerStats(
+            prefix_cache_queries=counts.prefix_cache_queries,
+            prefix_cache_hits=counts.prefix_cache_hits,
+            num_preemptions=counts.num_preemptions,
+            num_steps=counts.num_steps,
+        )
         if core is None:
             stats.num_waiting = len(self._parked)
             return stats
-        pool = core.kv.pool
-        stats.num_running = core.num_running
-        stats.num_waiting = core.num_waiting
+        s = core.scheduler
+        pool = s.kv.pool
+        stats.num_running = s.num_running
+        stats.num_waiting = s.num_waiting
         stats.num_blocks_total = pool.num_blocks
         stats.num_blocks_used = pool.num_used_blocks
         stats.kv_cache_usage = pool.usage
-        stats.prefix_cache_queries += core.kv.prefix_queries
-        stats.prefix_cache_hits += core.kv.prefix_hits
-        stats.num_preemptions += core.num_preemptions
         stats.worker_ready = True
         stats.num_cached_free_blocks = pool.num_cached_free_blocks
-        if core.tiers is not None:
-            stats.kv_tiers.extend(core.tiers.stats())
+        if s.tiers is not None:
+            stats.kv_tiers.extend(s.tiers.stats())
         return stats
 
     async def _run(self) -> None:
@@ -271,16 +237,17 @@ class Engine:
 
     def _begin(self, session: WorkerSession) -> None:
         info = session.info
-        self._core, self._admission = build_scheduler(info, self.config, self.metrics)
+        self._core = SchedulerCore.for_worker(info, self.config, self.metrics)
+        scheduler = self._core.scheduler
         self._kv_events.reset(info.block_size)
-        self._core.kv.pool.on_event = self._kv_events.record
+        scheduler.kv.pool.on_event = self._kv_events.record
         parked, self._parked = self._parked, []
-        for request in self._core.adopt(parked):
+        for request in scheduler.adopt(parked):
             stream = self._streams.pop(request.request_id)
             stream.fail(
                 ResourceExhausted(
                     f"request {request.request_id!r} failed: it holds {request.num_tokens} tokens, more than the "
-                    f"new worker's KV cache can compute again ({self._core.max_seq_len} tokens)"
+                    f"new worker's KV cache can compute again ({scheduler.max_seq_len} tokens)"
                 )
             )
         if parked:
@@ -294,7 +261,7 @@ class Engine:
             info.model,
             info.num_blocks,
             info.block_size,
-            self._core.max_seq_len,
+            scheduler.max_seq_len,
             plan_steps.describe(self.config.scheduler.num_scheduler_steps),
         )
         self._on_ready(not self._draining)
@@ -305,11 +272,9 @@ class Engine:
         core, self._core = self._core, None
         self.worker_info = None
         if core is not None:
-            self._past["queries"] += core.kv.prefix_queries
-            self._past["hits"] += core.kv.prefix_hits
-            self._past["preemptions"] += core.num_preemptions
+            self._past += core.counters()
             if park:
-                self._park(core.evacuate())
+                self._park(core.scheduler.evacuate())
         streams = self._streams
         self._streams = {request.request_id: streams.pop(request.request_id) for request in self._parked}
         for stream in streams.values():
@@ -336,14 +301,10 @@ class Engine:
         in_flight: deque[SchedulerOutput] = deque()
         try:
             while True:
-                if len(in_flight) < self._max_in_flight and core.has_work():
-                    started = time.perf_counter()
-                    out = core.schedule()
+                if len(in_flight) < self._max_in_flight and core.scheduler.has_work():
+                    out = core.plan()
                     if not out.is_empty:
-                        plan = plan_to_proto(out)
-                        if self.metrics is not None:
-                            self.metrics.record_plan(out, time.perf_counter() - started, core.kv.block_size)
-                        await call.write(plan)
+                        await call.write(plan_to_proto(out))
                         in_flight.append(out)
                         continue
                 if not in_flight:
@@ -356,13 +317,8 @@ class Engine:
                 out = in_flight.popleft()
                 if result.step_id != out.step_id:
                     raise WorkerProtocolError(f"result for step {result.step_id}, expected {out.step_id}")
-                self._num_steps += out.num_steps
-                core.plan_steps.record(out, result.execute_seconds)
-                if result.num_kv_load_failed_tokens and core.tiers is not None:
-                    core.tiers.record_failed_loads(result.num_kv_load_failed_tokens, out.kv_loads())
-                self._deliver(core.update_from_output(out, sampled_from_proto(result)))
-                if self.metrics is not None:
-                    self.metrics.record_state(core)
+                sampled = sampled_from_proto(result)
+                self._deliver(core.finish_step(out, sampled, result.execute_seconds, result.num_kv_load_failed_tokens))
         finally:
             call.cancel()
 
