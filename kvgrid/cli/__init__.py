@@ -16,43 +16,11 @@ from services.common.logs import disable_progress_bars
 # subcommand -> (module with `main(config) -> int`, config sections it takes, help)
 SERVICES = {
     "serve": ("kvgrid.cli.serve", cfg.ALL_SECTIONS, "start worker, scheduler and tokenizer locally"),
-    "worker": (
-        "services.worker.server",
-        (
-            cfg.ModelConfig,
-            cfg.LoadConfig,
-            cfg.DeviceConfig,
-            cfg.CacheConfig,
-            cfg.SchedulerConfig,
-            cfg.ParallelConfig,
-            cfg.LifecycleConfig,
-            cfg.ObservabilityConfig,
-            cfg.NetworkConfig,
-        ),
-        "serve the model (kvgrid.v1.Worker)",
-    ),
-    "scheduler": (
-        "services.scheduler.server",
-        (
-            cfg.ModelConfig,
-            cfg.CacheConfig,
-            cfg.SchedulerConfig,
-            cfg.LifecycleConfig,
-            cfg.ObservabilityConfig,
-            cfg.NetworkConfig,
-        ),
-        "serve the scheduler (kvgrid.v1.Scheduler)",
-    ),
+    "worker": ("services.worker.server", cfg.WORKER_SECTIONS, "serve the model (kvgrid.v1.Worker)"),
+    "scheduler": ("services.scheduler.server", cfg.SCHEDULER_SECTIONS, "serve the scheduler (kvgrid.v1.Scheduler)"),
     "tokenizer": (
         "services.tokenizer.server",
-        (
-            cfg.ModelConfig,
-            cfg.SchedulerConfig,
-            cfg.RoutingConfig,
-            cfg.LifecycleConfig,
-            cfg.ObservabilityConfig,
-            cfg.NetworkConfig,
-        ),
+        cfg.TOKENIZER_SECTIONS,
         "serve the public API (kvgrid.v1.TextGeneration)",
     ),
 }

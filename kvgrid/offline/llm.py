@@ -23,15 +23,16 @@ from typing import Any
 
 from kvgrid.offline.engine import EngineStats, OfflineEngine
 from kvgrid.offline.options import offline_config
-from kvgrid.offline.outputs import OutputCollector, RequestOutput
+from kvgrid.offline.outputs import OutputCollector, RequestOutput, request_output
 from kvgrid.offline.progress import Progress
 from kvgrid.offline.sampling_params import SamplingParams
-from kvgrid.v1 import common_pb2, generate_pb2, scheduler_pb2
+from kvgrid.v1 import generate_pb2, scheduler_pb2
 from services.common.config import Config
-from services.common.errors import InvalidArgument, KvgridError
+from services.common.errors import KvgridError
 from services.scheduler.admission import admit
 from services.scheduler.request import Request
 from services.tokenizer import validation as v
+from services.tokenizer.frontdoor import ChatPrompt, EngineRequest, FrontDoor, TextPrompt, TokensPrompt
 from services.tokenizer.text_tokenizer import TextTokenizer, read_tokenizer_dir
 from services.worker.core import build_core
 
@@ -43,11 +44,10 @@ Conversation = Sequence[dict[str, str]]
 
 @dataclass(slots=True)
 class PreparedRequest:
-    """A validated request, ready for the scheduler."""
+    """A request through the front door, and the scheduler's request for it (under this LLM's own id)."""
 
+    engine_request: EngineRequest
     request: Request
-    prompt: str | None
-    sampling: common_pb2.SamplingParams  # as the caller gave it (stop strings included)
 
 
 class LLM:
@@ -92,14 +92,15 @@ class LLM:
         self.engine = OfflineEngine(core, config)
         self.model_name = config.model.name
         info = core.handshake
-        self.limits = v.ModelLimits(
+        limits = v.ModelLimits(
             max_model_len=info.max_model_len, vocab_size=info.vocab_size or self.tokenizer.vocab_size
         )
+        self.front_door = FrontDoor(self.tokenizer, limits)
         self._next_id = 0
 
     @property
     def max_model_len(self) -> int:
-        return self.limits.max_model_len
+        return self.front_door.limits.max_model_len
 
     def stats(self) -> EngineStats:
         """Counters since this LLM was built: steps, preemptions, prefix-cache lookups and hits."""
@@ -137,50 +138,46 @@ class LLM:
 
     def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
         """Check and tokenize one prompt; ValueError with the frontend's message when the request is invalid."""
-        if isinstance(prompt, str):
-            return self._prepare_ids("prompt", self.tokenizer.encode(prompt), params, prompt)
-        ids = list(prompt)
-        if not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise ValueError("prompt_token_ids: token ids must be integers >= 0")
-        return self._prepare_ids("prompt_token_ids", ids, params, None)
+        given = TextPrompt(prompt) if isinstance(prompt, str) else TokensPrompt(list(prompt))
+        return self._through_front_door(given, params)
 
     def prepare_chat(self, conversation: Conversation, params: SamplingParams) -> PreparedRequest:
-        try:
-            messages = [generate_pb2.ChatMessage(**m) for m in conversation]
-        except (TypeError, ValueError) as e:
-            raise ValueError(f'messages: each message is {{"role": ..., "content": "..."}} ({e})') from None
-        try:
-            v.check_messages("messages", messages)
-            if self.tokenizer.chat_template is None:
-                raise InvalidArgument("messages", "the model's tokenizer has no chat template; use generate()")
-            ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in messages])
-        except KvgridError as e:
-            raise ValueError(str(e)) from None
-        return self._prepare_ids("messages", ids, params, None)
+        return self._through_front_door(ChatPrompt(list(conversation)), params)
 
-    def _prepare_ids(self, field: str, ids: list[int], params: SamplingParams, prompt: str | None) -> PreparedRequest:
-        sampling = params.validate(self.limits)
+    def _through_front_door(self, prompt, params: SamplingParams) -> PreparedRequest:
+        sampling = params.to_proto()
         try:
-            v.check_token_ids(field, ids, self.limits.vocab_size)
-            v.check_prompt_length(field, len(ids), self.limits)
-            submit = scheduler_pb2.SubmitRequest(
-                request_id=str(self._next_id),
-                prompt_token_ids=ids,
-                sampling=v.submit_sampling(sampling, len(ids), self.limits),
-            )
-            request = admit(submit, self.engine.admission, live=(), num_waiting=0)
+            return self.admit(self.front_door.prepare(prompt, sampling, str(self._next_id)))
         except KvgridError as e:
             raise ValueError(str(e)) from None
+
+    def admit(self, engine_request: EngineRequest) -> PreparedRequest:
+        """A front-door request as this LLM's next scheduler request (``kvgrid run-batch`` prepares its own).
+        Raises KvgridError with the status the served scheduler would answer."""
+        submit = scheduler_pb2.SubmitRequest(
+            request_id=str(self._next_id),
+            prompt_token_ids=engine_request.prompt_ids,
+            sampling=engine_request.scheduler_sampling(),
+        )
+        request = admit(submit, self.engine.admission, live=(), num_waiting=0)
         self._next_id += 1
-        return PreparedRequest(request, prompt, sampling)
+        return PreparedRequest(engine_request, request)
 
     def run(self, prepared: Sequence[PreparedRequest], use_tqdm: bool = True) -> list[RequestOutput]:
         """Run prepared requests to the end; results in the order given."""
+        responses = self.run_responses(prepared, use_tqdm)
+        return [request_output(p.engine_request, r) for p, r in zip(prepared, responses, strict=True)]
+
+    def run_responses(
+        self, prepared: Sequence[PreparedRequest], use_tqdm: bool = True
+    ) -> list[generate_pb2.GenerateResponse]:
+        """Run prepared requests to the end; each one's whole response as the served stack would stream it (text,
+        token ids, logprobs, finish reason, usage), in the order given."""
         engine = self.engine
         pending = deque(prepared)
         index = {p.request.request_id: i for i, p in enumerate(prepared)}
         collectors: dict[str, OutputCollector] = {}
-        results: list[RequestOutput | None] = [None] * len(prepared)
+        results: list[generate_pb2.GenerateResponse | None] = [None] * len(prepared)
         progress = Progress(len(prepared), use_tqdm)
         try:
             while pending or engine.has_work():
@@ -188,9 +185,7 @@ class LLM:
                 while pending and engine.scheduler.num_waiting < engine.admission.max_waiting_requests:
                     p = pending.popleft()
                     rid = p.request.request_id
-                    collectors[rid] = OutputCollector(
-                        self.tokenizer, rid, p.prompt, p.request.prompt_token_ids, p.sampling
-                    )
+                    collectors[rid] = OutputCollector(self.tokenizer, rid, p.engine_request)
                     engine.add(p.request)
                 for sampled in engine.step():
                     rid = sampled.request.request_id
@@ -202,8 +197,8 @@ class LLM:
                         continue
                     if sampled.finish is None:  # a stop string ended it here: the scheduler still holds it
                         engine.abort(rid)
-                    result = results[index[rid]] = collectors.pop(rid).result()
-                    progress.done(result.num_prompt_tokens, result.num_completion_tokens)
+                    response = results[index[rid]] = collectors.pop(rid).response
+                    progress.done(response.usage.prompt_tokens, response.usage.completion_tokens)
         finally:
             for rid in collectors:  # interrupted: leave nothing behind for the next call
                 engine.abort(rid)

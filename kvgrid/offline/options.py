@@ -12,11 +12,10 @@ import argparse
 import dataclasses
 from typing import Any
 
-from kvgrid.cli import SERVICES
 from services.common import config as cfg
 
 # The worker's flags (the scheduler's are among them) without the network and logging ones: nothing is served.
-SECTIONS = tuple(s for s in SERVICES["worker"][1] if s not in (cfg.NetworkConfig, cfg.ObservabilityConfig))
+SECTIONS = tuple(s for s in cfg.WORKER_SECTIONS if s not in (cfg.NetworkConfig, cfg.ObservabilityConfig))
 OPTION_NAMES = tuple(f.name for section in SECTIONS for f in dataclasses.fields(section))
 
 

@@ -8,13 +8,13 @@ and logprobs named with their token text.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvgrid.v1 import common_pb2, scheduler_pb2
+from kvgrid.v1 import common_pb2, generate_pb2, scheduler_pb2
 from services.scheduler.convert import add_output
 from services.scheduler.scheduler import RequestOutput as SampledToken
-from services.tokenizer.output import OutputProcessor
+from services.tokenizer.frontdoor import EngineRequest
+from services.tokenizer.output import OutputProcessor, merge
 from services.tokenizer.text_tokenizer import TextTokenizer
 
 
@@ -57,51 +57,37 @@ class RequestOutput:
 
 
 class OutputCollector:
-    """One request's tokens in, its ``RequestOutput`` once finished."""
+    """One request's sampled tokens in, through the frontend's output path; its whole response once finished."""
 
-    def __init__(
-        self,
-        tokenizer: TextTokenizer,
-        request_id: str,
-        prompt: str | None,
-        prompt_ids: Sequence[int],
-        sampling: common_pb2.SamplingParams,
-    ):
-        self._processor = OutputProcessor(tokenizer, request_id, prompt_ids, sampling)
-        self._prompt = prompt
-        self._prompt_ids = list(prompt_ids)
-        self._want_logprobs = sampling.logprobs > 0
-        self._text: list[str] = []
-        self._token_ids: list[int] = []
-        self._logprobs: list[TokenLogprob] = []
+    def __init__(self, tokenizer: TextTokenizer, request_id: str, request: EngineRequest):
+        self._processor = OutputProcessor(tokenizer, request_id, request.prompt_ids, request.sampling)
+        self._num_prompt_tokens = len(request.prompt_ids)
+        self.response: generate_pb2.GenerateResponse | None = None
 
     @property
     def finished(self) -> bool:
         return self._processor.finished
 
     def push(self, sampled: SampledToken) -> None:
-        delta = scheduler_pb2.SubmitResponse(num_prompt_tokens=len(self._prompt_ids))
+        delta = scheduler_pb2.SubmitResponse(num_prompt_tokens=self._num_prompt_tokens)
         add_output(delta, sampled)
         if sampled.request.num_cached_tokens >= 0:
             delta.num_cached_tokens = sampled.request.num_cached_tokens
-        out = self._processor.process(delta)
-        if out is None:
-            return
-        self._text.append(out.text)
-        self._token_ids.extend(out.token_ids)
-        self._logprobs.extend(TokenLogprob.from_proto(lp) for lp in out.logprobs)
+        self.response = merge([self.response, self._processor.process(delta)])
 
-    def result(self) -> RequestOutput:
-        p = self._processor
-        return RequestOutput(
-            request_id=p.request_id,
-            prompt=self._prompt,
-            prompt_token_ids=self._prompt_ids,
-            text="".join(self._text),
-            token_ids=self._token_ids,
-            finish_reason=p.finish_reason,
-            num_prompt_tokens=p.num_prompt_tokens,
-            num_completion_tokens=p.num_output_tokens,
-            num_cached_tokens=p.num_cached_tokens,
-            logprobs=self._logprobs if self._want_logprobs else None,
-        )
+
+def request_output(request: EngineRequest, response: generate_pb2.GenerateResponse) -> RequestOutput:
+    """The public ``RequestOutput`` of one finished request."""
+    usage = response.usage
+    return RequestOutput(
+        request_id=response.request_id,
+        prompt=request.prompt_text,
+        prompt_token_ids=list(request.prompt_ids),
+        text=response.text,
+        token_ids=list(response.token_ids),
+        finish_reason=response.finish_reason,
+        num_prompt_tokens=usage.prompt_tokens,
+        num_completion_tokens=usage.completion_tokens,
+        num_cached_tokens=usage.cached_prompt_tokens,
+        logprobs=[TokenLogprob.from_proto(lp) for lp in response.logprobs] if request.sampling.logprobs else None,
+    )

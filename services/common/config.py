@@ -285,6 +285,20 @@ ALL_SECTIONS = (
     ObservabilityConfig,
     NetworkConfig,
 )
+# The sections each service takes its flags from (``kvgrid serve`` takes them all).
+WORKER_SECTIONS = (
+    ModelConfig,
+    LoadConfig,
+    DeviceConfig,
+    CacheConfig,
+    SchedulerConfig,
+    ParallelConfig,
+    LifecycleConfig,
+    ObservabilityConfig,
+    NetworkConfig,
+)
+SCHEDULER_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, LifecycleConfig, ObservabilityConfig, NetworkConfig)
+TOKENIZER_SECTIONS = (ModelConfig, SchedulerConfig, RoutingConfig, LifecycleConfig, ObservabilityConfig, NetworkConfig)
 
 
 def model_name(model: str) -> str:

@@ -100,7 +100,7 @@ class SchedulerClient:
         sampling: common_pb2.SamplingParams,
         trace_context: dict[str, str],
     ) -> RequestHandle:
-        """Start ``request_id``; ``sampling`` is the scheduler-facing form (``validation.submit_sampling``)."""
+        """Start ``request_id``; ``sampling`` is the scheduler-facing form (``EngineRequest.scheduler_sampling``)."""
         if request_id in self._handles:
             raise AlreadyExists(f"request_id: a live request already has id {request_id!r}")
         if not self._connected.is_set():

@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator
 
 from opentelemetry.trace import Status, StatusCode
 
-from kvgrid.v1 import common_pb2, generate_pb2
+from kvgrid.v1 import generate_pb2
 from services.common.errors import Unavailable
 from services.common.logs import request_log
 from services.common.tracing import inject, trace_id_hex, tracer
-from services.tokenizer import validation as v
 from services.tokenizer.engine_client import EngineClient
-from services.tokenizer.output import OutputProcessor
+from services.tokenizer.frontdoor import EngineRequest
+from services.tokenizer.output import OutputProcessor, merge
 from services.tokenizer.request_metrics import RequestMetrics
 from services.tokenizer.text_tokenizer import TextTokenizer
 
@@ -27,27 +27,24 @@ log = logging.getLogger(__name__)
 async def generate(
     engine: EngineClient,
     tokenizer: TextTokenizer,
-    limits: v.ModelLimits,
-    request_id: str,
-    prompt_ids: list[int],
-    sampling: common_pb2.SamplingParams,
+    request: EngineRequest,
     *,
     parent_context=None,
     tracked: RequestMetrics | None = None,
 ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-    """Yield the public deltas of one validated request (``sampling`` as the client sent it).
+    """Yield the public deltas of one request from the front door.
 
     The last response has finish_reason and usage set. Closing the iterator early or
     cancelling the consuming task aborts the request upstream. Raises KvgridError subclasses.
     """
-    output = OutputProcessor(tokenizer, request_id, prompt_ids, sampling)
+    request_id, prompt_ids = request.request_id, request.prompt_ids
+    output = OutputProcessor(tokenizer, request_id, prompt_ids, request.sampling)
     span = tracer().start_span(
         "tokenizer.generate",
         context=parent_context,
         attributes={"kvgrid.request_id": request_id, "kvgrid.prompt_tokens": len(prompt_ids)},
     )
-    upstream = v.submit_sampling(sampling, len(prompt_ids), limits)
-    handle = await engine.submit(request_id, prompt_ids, upstream, inject(span))
+    handle = await engine.submit(request_id, prompt_ids, request.scheduler_sampling(), inject(span))
 
     def process(delta) -> generate_pb2.GenerateResponse | None:
         out = output.process(delta)
@@ -88,19 +85,3 @@ async def generate(
             handle.close()
         span.set_attribute("kvgrid.completion_tokens", output.num_output_tokens)
         span.end()
-
-
-def merge(responses: list[generate_pb2.GenerateResponse | None]) -> generate_pb2.GenerateResponse | None:
-    """One response carrying the text, ids and logprobs of ``responses`` in order; the last one's end fields."""
-    present = [r for r in responses if r is not None]
-    if len(present) <= 1:
-        return present[0] if present else None
-    out = present[0]
-    for more in present[1:]:
-        out.text += more.text
-        out.token_ids.extend(more.token_ids)
-        out.logprobs.extend(more.logprobs)
-        if more.finish_reason:
-            out.finish_reason = more.finish_reason
-            out.usage.CopyFrom(more.usage)
-    return out

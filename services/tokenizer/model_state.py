@@ -14,6 +14,7 @@ from typing import TypeVar
 
 from kvgrid.v1 import generate_pb2, worker_pb2
 from services.common.errors import Unavailable
+from services.tokenizer.frontdoor import FrontDoor
 from services.tokenizer.grammar_check import GrammarChecker
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.tokenizer.validation import ModelLimits
@@ -147,6 +148,10 @@ class ModelState:
         if not self.scheduler_serving:
             raise Unavailable(f"the scheduler at {self.scheduler_addr} is not serving")
         return tokenizer, self.limits()
+
+    def front_door(self) -> FrontDoor:
+        """The front door for a new request; UNAVAILABLE unless serving."""
+        return FrontDoor(*self.require_serving())
 
     def limits(self) -> ModelLimits:
         info = self.require_info()

@@ -114,3 +114,19 @@ class OutputProcessor:
         for top in out.top:
             top.token = self._tokenizer.token_text(top.token_id)
         return out
+
+
+def merge(responses: list[generate_pb2.GenerateResponse | None]) -> generate_pb2.GenerateResponse | None:
+    """One response carrying the text, ids and logprobs of ``responses`` in order; the last one's end fields."""
+    present = [r for r in responses if r is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+    out = present[0]
+    for more in present[1:]:
+        out.text += more.text
+        out.token_ids.extend(more.token_ids)
+        out.logprobs.extend(more.logprobs)
+        if more.finish_reason:
+            out.finish_reason = more.finish_reason
+            out.usage.CopyFrom(more.usage)
+    return out

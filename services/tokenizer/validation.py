@@ -128,16 +128,3 @@ def check_messages(field: str, messages) -> None:
             raise InvalidArgument(
                 f"{field}[{i}].role", f"unknown role {message.role!r} (use one of {', '.join(CHAT_ROLES)})"
             )
-
-
-def submit_sampling(
-    sampling: common_pb2.SamplingParams, num_prompt_tokens: int, limits: ModelLimits
-) -> common_pb2.SamplingParams:
-    """The sampling params the scheduler gets: max_tokens explicit and capped so prompt + output fits the model."""
-    out = common_pb2.SamplingParams()
-    out.CopyFrom(sampling)
-    out.ClearField("stop")  # stop strings are applied here, on text
-    room = limits.max_model_len - num_prompt_tokens
-    out.max_tokens = min(sampling.max_tokens or DEFAULT_MAX_TOKENS, room)
-    out.min_tokens = min(sampling.min_tokens, out.max_tokens)
-    return out

@@ -35,13 +35,15 @@ BAD_LINES = [
     (
         "bad-temperature",
         '{"custom_id": "bad-temperature", "url": "/v1/completions", "body": {"prompt": "t5", "temperature": 500}}',
-        "sampling.temperature: must be in [0, 100], got 500",
+        "temperature: must be in [0, 100], got 500",
+        400,  # the body is at fault: the line carries what /v1/completions answers
     ),
-    (None, '{"custom_id": "broken", "url": ', "not valid JSON"),
+    (None, '{"custom_id": "broken", "url": ', "not valid JSON", None),
     (
         "bad-url",
         '{"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "t5"}}',
-        "url: must be /v1/completions or /v1/chat/completions",
+        "url: must be one of /v1/completions, /v1/chat/completions",
+        None,  # not a request this command runs: no HTTP answer
     ),
 ]
 
@@ -70,7 +72,7 @@ def test_fifty_good_and_three_bad_lines(tmp_path, tiny_model, tiny_llm):
     assert TINY_OPTIONS["max_model_len"] == 128  # run_batch passes the same options as flags
     good = [good_line(i) for i in range(NUM_GOOD)]
     lines = [json.dumps(line) for line in good]
-    for k, (_, text, _) in enumerate(BAD_LINES):
+    for k, (_, text, _, _) in enumerate(BAD_LINES):
         lines.insert(10 + 15 * k, text)
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     proc = run_batch(tiny_model, ["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")])
@@ -91,10 +93,15 @@ def test_fifty_good_and_three_bad_lines(tmp_path, tiny_model, tiny_llm):
         assert choice["finish_reason"] == "length"
         assert body["usage"]["completion_tokens"] == line["body"]["max_tokens"]
         assert body["usage"]["prompt_tokens"] == expected.num_prompt_tokens
-    for custom_id, _, message in BAD_LINES:
+    for custom_id, _, message, status in BAD_LINES:
         errors = [o for o in out if o["custom_id"] == custom_id and o["error"] is not None]
-        assert len(errors) == 1 and errors[0]["response"] is None
+        assert len(errors) == 1
         assert message in errors[0]["error"]["message"]
+        if status is None:
+            assert errors[0]["response"] is None
+        else:
+            assert errors[0]["response"]["status_code"] == status
+            assert errors[0]["response"]["body"]["error"]["message"] == errors[0]["error"]["message"]
     assert [o["custom_id"] for o in out if o["error"] is None] == [line["custom_id"] for line in good]
 
 

@@ -10,9 +10,11 @@ import pytest
 
 from kvgrid.v1 import common_pb2, scheduler_pb2
 from services.common.server import CHANNEL_OPTIONS
+from services.tokenizer.frontdoor import EngineRequest
 from services.tokenizer.generation import generate
 from services.tokenizer.metrics import TokenizerMetrics
-from services.tokenizer.openai.choices import Choice, Pipeline, run_choices
+from services.tokenizer.openai.choices import Pipeline, run_choices
+from services.tokenizer.openai.prepare import Choice
 from services.tokenizer.request_handle import RequestHandle
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.tokenizer.upstream import LINK_OPTIONS
@@ -64,7 +66,7 @@ def test_queued_deltas_go_out_as_one_response_and_a_lone_one_at_once(tok, smollm
     async def scenario():
         engine = FakeEngine()
         sampling = common_pb2.SamplingParams(max_tokens=len(ids), logprobs=0)
-        stream = generate(engine, tok, LIMITS, "r1", [1, 2, 3], sampling)
+        stream = generate(engine, tok, EngineRequest("r1", [1, 2, 3], sampling, len(ids)))
         first = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0)  # submitted; the call now waits for output
         for t in ids[:3]:  # three steps arrive before the call gets to write
@@ -95,7 +97,7 @@ def test_a_stop_string_inside_queued_deltas_cuts_exactly_and_aborts(tok, smollm)
     async def scenario():
         engine = FakeEngine()
         sampling = common_pb2.SamplingParams(max_tokens=32, stop=["END"])
-        stream = generate(engine, tok, LIMITS, "r2", [1], sampling)
+        stream = generate(engine, tok, EngineRequest("r2", [1], sampling, 32))
         first = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0)
         for t in ids:
@@ -117,8 +119,8 @@ def test_openai_choices_merge_what_queued_per_choice_in_order(tok, smollm):
     async def scenario():
         engine = FakeEngine()
         sampling = common_pb2.SamplingParams(max_tokens=16)
-        choices = [Choice(i, 0, f"c-{i}", [1, 2], sampling, leader=True) for i in range(2)]
-        deltas = run_choices(Pipeline(engine, tok, LIMITS, TokenizerMetrics("test-model")), choices)
+        choices = [Choice(i, 0, EngineRequest(f"c-{i}", [1, 2], sampling, 16), leader=True) for i in range(2)]
+        deltas = run_choices(Pipeline(engine, tok, TokenizerMetrics("test-model")), choices)
         first = asyncio.ensure_future(anext(deltas))
         while len(engine.handles) < 2:
             await asyncio.sleep(0)

@@ -12,7 +12,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from services.common.errors import KvgridError
 from services.tokenizer import validation as v
+from services.tokenizer.frontdoor import ChatPrompt, TextPrompt, tokenize_async
 from services.tokenizer.openai import errors
+from services.tokenizer.openai.prepare import chat_messages
 from services.tokenizer.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -20,8 +22,7 @@ from services.tokenizer.openai.protocol import (
     TokenizeRequest,
 )
 from services.tokenizer.openai.responses import ModelCard, ModelList
-from services.tokenizer.openai.serving import ClientGone, OpenAIServing, chat_messages
-from services.tokenizer.prompts import encode_chat, encode_text
+from services.tokenizer.openai.serving import ClientGone, OpenAIServing
 
 
 def build_app(serving: OpenAIServing, registry: CollectorRegistry, is_serving: Callable[[], bool]) -> FastAPI:
@@ -60,9 +61,10 @@ def build_app(serving: OpenAIServing, registry: CollectorRegistry, is_serving: C
         serving.served_model(body.model)
         tokenizer = serving.state.require_tokenizer()
         if body.messages is not None:
-            token_ids = await encode_chat(tokenizer, chat_messages(body.messages))
+            prompt = ChatPrompt(chat_messages(body.messages))
         else:
-            token_ids = await encode_text(tokenizer, body.prompt or "", body.add_special_tokens)
+            prompt = TextPrompt(body.prompt or "", "prompt", body.add_special_tokens)
+        token_ids = await tokenize_async(tokenizer, prompt)
         max_len = serving.state.limits().max_model_len
         return JSONResponse({"count": len(token_ids), "max_model_len": max_len, "tokens": token_ids})
 

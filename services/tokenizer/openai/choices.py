@@ -13,54 +13,24 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from kvgrid.v1 import common_pb2, generate_pb2
+from kvgrid.v1 import generate_pb2
 from services.tokenizer.engine_client import EngineClient
-from services.tokenizer.generation import generate, merge
+from services.tokenizer.generation import generate
 from services.tokenizer.metrics import TokenizerMetrics
+from services.tokenizer.openai.prepare import Choice
+from services.tokenizer.output import merge
 from services.tokenizer.request_metrics import RequestMetrics
 from services.tokenizer.text_tokenizer import TextTokenizer
-from services.tokenizer.validation import ModelLimits
-
-_MASK64 = (1 << 64) - 1
-
-
-@dataclass(slots=True)
-class Choice:
-    index: int
-    prompt_index: int
-    request_id: str
-    prompt_ids: list[int]
-    sampling: common_pb2.SamplingParams
-    leader: bool  # the first choice of its prompt: its siblings wait for its prompt to be cached
 
 
 @dataclass(slots=True)
 class Pipeline:
-    """What a choice needs to run: the engine client and the model's tokenizer and limits."""
+    """What a choice needs to run: the engine client, the model's tokenizer, the metrics."""
 
     engine: EngineClient
     tokenizer: TextTokenizer
-    limits: ModelLimits
     metrics: TokenizerMetrics
     parent_context: object = None
-
-
-def plan_choices(
-    request_id: str, prompts: list[list[int]], sampling: common_pb2.SamplingParams, n: int
-) -> list[Choice]:
-    """Choice ``p * n + j`` is sample j of prompt p. A seed gives sample j the seed + j, so the n samples
-    differ and each is reproducible."""
-    choices = []
-    for p, prompt_ids in enumerate(prompts):
-        for j in range(n):
-            index = p * n + j
-            params = common_pb2.SamplingParams()
-            params.CopyFrom(sampling)
-            if sampling.HasField("seed"):
-                params.seed = (sampling.seed + j) & _MASK64
-            rid = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
-            choices.append(Choice(index, p, rid, prompt_ids, params, leader=j == 0))
-    return choices
 
 
 async def run_choices(
@@ -107,16 +77,9 @@ async def _run_one(pipe: Pipeline, choice: Choice, prompt_cached: asyncio.Event,
     try:
         if not choice.leader:
             await prompt_cached.wait()
-        with RequestMetrics(pipe.metrics, choice.request_id) as tracked:
+        with RequestMetrics(pipe.metrics, choice.request.request_id) as tracked:
             stream = generate(
-                pipe.engine,
-                pipe.tokenizer,
-                pipe.limits,
-                choice.request_id,
-                choice.prompt_ids,
-                choice.sampling,
-                parent_context=pipe.parent_context,
-                tracked=tracked,
+                pipe.engine, pipe.tokenizer, choice.request, parent_context=pipe.parent_context, tracked=tracked
             )
             async with contextlib.aclosing(stream):
                 async for out in stream:

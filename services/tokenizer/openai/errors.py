@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from services.common.errors import InvalidArgument, KvgridError, NotFound
+from services.tokenizer.openai.protocol import UNSUPPORTED_TYPE
 from services.tokenizer.openai.responses import ErrorInfo, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -58,11 +59,19 @@ async def kvgrid_error_handler(request: Request, exc: KvgridError) -> JSONRespon
 
 
 async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """A body that does not parse or has a field of the wrong type: 400 naming the first bad field."""
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request body"}
+    return error_response(*invalid_body(exc.errors()))
+
+
+def invalid_body(errors) -> tuple[InvalidArgument, str | None]:
+    """A body that does not parse, has a field of the wrong type or one kvgrid does not support (pydantic's
+    errors, from the HTTP route or a batch line): 400 naming the first bad field."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
+    if first.get("type") == UNSUPPORTED_TYPE:
+        field = first["ctx"]["field"]
+        return InvalidArgument(field, f"not supported by kvgrid ({first['ctx']['why']})"), field
     loc = [part for part in first.get("loc", ()) if part != "body"]
     param = _dotted(loc)
-    return error_response(InvalidArgument(param or "body", first.get("msg", "invalid value")), param or None)
+    return InvalidArgument(param or "body", first.get("msg", "invalid value")), param or None
 
 
 async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:

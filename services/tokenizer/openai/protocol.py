@@ -1,18 +1,64 @@
 """Request bodies of the OpenAI-compatible API (with vLLM's extra sampling fields), as pydantic models.
 
-Only types are checked here; ranges and limits are the gRPC API's checks (``validation``), so both APIs
-reject the same values with the same messages. Unknown fields are ignored, as OpenAI's server does.
+Only types are checked here; ranges and limits are the front door's checks, so every API rejects the
+same values with the same messages. Unknown fields are ignored, as OpenAI's server does; but a field
+kvgrid knows of and does not support (``UNSUPPORTED``) is refused by name rather than silently dropped,
+unless it carries the value that means "off".
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 UInt32 = Annotated[int, Field(ge=0, lt=2**32)]
 Int32 = Annotated[int, Field(ge=-(2**31), lt=2**31)]
 MAX_N = 128
+UNSUPPORTED_TYPE = "unsupported_field"  # the error type validation_error_handler names the field from
+
+_STRUCTURED = "the guided_* fields; use structured_outputs (json, regex, choice, grammar) or response_format"
+# field -> (values that mean "off" and are accepted, what to say when another value is sent)
+_SHARED_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "logit_bias": ((None, {}), "logit biases"),
+    "best_of": ((None, 1), "best_of above 1; use n for several samples"),
+    "prompt_logprobs": ((None,), "prompt logprobs"),
+    "truncate_prompt_tokens": ((None,), "prompt truncation"),
+    "guided_json": ((None,), _STRUCTURED),
+    "guided_regex": ((None,), _STRUCTURED),
+    "guided_choice": ((None,), _STRUCTURED),
+    "guided_grammar": ((None,), _STRUCTURED),
+    "guided_json_object": ((None, False), _STRUCTURED),
+}
+COMPLETION_UNSUPPORTED = {**_SHARED_UNSUPPORTED, "suffix": ((None, ""), "insertion (suffix)")}
+CHAT_UNSUPPORTED = {
+    **_SHARED_UNSUPPORTED,
+    "tools": ((None, []), "tool calling"),
+    "tool_choice": ((None, "none"), "tool calling"),
+    "functions": ((None, []), "function calling"),
+    "function_call": ((None, "none"), "function calling"),
+    "audio": ((None,), "audio output"),
+    "modalities": ((None, ["text"]), "output other than text"),
+    "prediction": ((None,), "predicted outputs"),
+    "web_search_options": ((None,), "web search"),
+    "chat_template": ((None,), "a chat template per request"),
+    "chat_template_kwargs": ((None, {}), "chat template arguments"),
+    "continue_final_message": ((None, False), "continuing the final message"),
+    "add_generation_prompt": ((None, True), "a conversation without the assistant's turn opened"),
+    "echo": ((None, False), "echo in chat; it is a /v1/completions field"),
+}
+
+
+def refuse_unsupported(body: Any, unsupported: dict[str, tuple[tuple, str]]) -> Any:
+    """A body field kvgrid knows and does not support, set to anything but "off": a 400 naming it."""
+    if isinstance(body, dict):
+        for name, (off, why) in unsupported.items():
+            if name in body and not any(body[name] == value and type(body[name]) is type(value) for value in off):
+                raise PydanticCustomError(
+                    UNSUPPORTED_TYPE, "{field}: not supported by kvgrid ({why})", {"field": name, "why": why}
+                )
+    return body
 
 
 class StreamOptions(BaseModel):
@@ -82,6 +128,11 @@ class CompletionRequest(SamplingRequest):
     logprobs: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _supported(cls, body: Any) -> Any:
+        return refuse_unsupported(body, COMPLETION_UNSUPPORTED)
+
 
 class TextPart(BaseModel):
     type: Literal["text"]
@@ -103,6 +154,11 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Annotated[int, Field(ge=1, lt=2**32)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0)] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _supported(cls, body: Any) -> Any:
+        return refuse_unsupported(body, CHAT_UNSUPPORTED)
 
 
 class TokenizeRequest(BaseModel):

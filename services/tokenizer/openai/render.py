@@ -29,6 +29,7 @@ class Renderer:
 
     def __init__(self, chat: bool, request_id: str, model: str, n: int, num_top: int | None, echo: dict[int, str]):
         self.chat = chat
+        self.request_id = request_id
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = int(time.time())

@@ -1,0 +1,145 @@
+"""The one way in: every entry point turns a request into an ``EngineRequest`` here.
+
+The gRPC servicer (Generate, Chat, Tokenize), the OpenAI routes, the offline ``LLM`` and
+``kvgrid run-batch`` all call ``FrontDoor.prepare``: check the request id and the sampling
+fields, apply the chat template, tokenize, check the prompt against the model's limits, and
+fix what the scheduler gets. A rule added here holds for every API at once, with the same
+message; a failure raises ``InvalidArgument`` naming the field (``sampling.<name>`` for
+sampling fields, which each API may rename for its clients).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from kvgrid.v1 import common_pb2, generate_pb2
+from services.common.errors import InvalidArgument
+from services.tokenizer import validation as v
+from services.tokenizer.text_tokenizer import TextTokenizer
+
+# Inputs at least this long are tokenized in a thread, so that one big prompt does not stall every other stream.
+LONG_INPUT_CHARS = 8192
+
+
+@dataclass(slots=True)
+class TextPrompt:
+    text: str
+    field: str = "prompt"
+    add_special_tokens: bool = True
+
+
+@dataclass(slots=True)
+class TokensPrompt:
+    token_ids: list[int]
+    field: str = "prompt_token_ids"
+
+
+@dataclass(slots=True)
+class ChatPrompt:
+    """``messages`` as ``{"role", "content"}`` dicts, rendered with the model's chat template."""
+
+    messages: list[dict[str, str]]
+    field: str = "messages"
+
+
+Prompt = TextPrompt | TokensPrompt | ChatPrompt
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """A checked, tokenized request: what the engine runs and what the output path needs to turn it into text."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: common_pb2.SamplingParams  # as the client asked (stop strings kept: the output path applies them)
+    max_tokens: int  # max_tokens resolved and capped so that prompt + output fits the model
+    prompt_text: str | None = None  # the prompt as text, when it was given as text
+    choice_index: int = 0  # which of a request's n choices (OpenAI's ``n``, prompts of a batch)
+
+    def scheduler_sampling(self) -> common_pb2.SamplingParams:
+        """The sampling params the scheduler gets: max_tokens explicit, stop strings left to the frontend."""
+        out = common_pb2.SamplingParams()
+        out.CopyFrom(self.sampling)
+        out.ClearField("stop")
+        out.max_tokens = self.max_tokens
+        out.min_tokens = min(self.sampling.min_tokens, self.max_tokens)
+        return out
+
+    def with_sampling(self, request_id: str, sampling: common_pb2.SamplingParams, index: int) -> EngineRequest:
+        """The same prompt as another choice (its own id and, for a seeded request, its own seed)."""
+        return EngineRequest(request_id, self.prompt_ids, sampling, self.max_tokens, self.prompt_text, index)
+
+
+@dataclass(slots=True)
+class FrontDoor:
+    """Checks and tokenizes requests for one tokenizer and the served model's limits."""
+
+    tokenizer: TextTokenizer
+    limits: v.ModelLimits
+
+    def prepare(self, prompt: Prompt, sampling: common_pb2.SamplingParams, request_id: str) -> EngineRequest:
+        """Raises ``InvalidArgument`` naming the first bad field: request id, sampling, prompt, length."""
+        v.check_request_id(request_id)
+        v.check_sampling(sampling, self.limits)
+        if isinstance(prompt, TextPrompt) and prompt.text == "":
+            raise InvalidArgument(prompt.field, "empty: give text or token ids")
+        ids = tokenize(self.tokenizer, prompt)
+        if isinstance(prompt, TokensPrompt):
+            v.check_token_ids(prompt.field, ids, self.limits.vocab_size)
+        v.check_prompt_length(prompt.field, len(ids), self.limits)
+        room = self.limits.max_model_len - len(ids)
+        max_tokens = min(sampling.max_tokens or v.DEFAULT_MAX_TOKENS, room)
+        text = prompt.text if isinstance(prompt, TextPrompt) else None
+        return EngineRequest(request_id, ids, sampling, max_tokens, text)
+
+    async def prepare_async(
+        self, prompt: Prompt, sampling: common_pb2.SamplingParams, request_id: str
+    ) -> EngineRequest:
+        """``prepare``, with long inputs tokenized off the event loop."""
+        if num_chars(prompt) < LONG_INPUT_CHARS:
+            return self.prepare(prompt, sampling, request_id)
+        return await asyncio.to_thread(self.prepare, prompt, sampling, request_id)
+
+
+def tokenize(tokenizer: TextTokenizer, prompt: Prompt) -> list[int]:
+    """The prompt's token ids (chat: the template with the assistant's turn opened); no length check."""
+    if isinstance(prompt, TokensPrompt):
+        ids = list(prompt.token_ids)
+        for i, token_id in enumerate(ids):
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                raise InvalidArgument(f"{prompt.field}[{i}]", f"token ids are integers >= 0, got {token_id!r}")
+        return ids
+    if isinstance(prompt, ChatPrompt):
+        check_messages(prompt.field, prompt.messages)
+        if tokenizer.chat_template is None:
+            raise InvalidArgument(prompt.field, "the model's tokenizer has no chat template; send a plain prompt")
+        return tokenizer.encode_chat(prompt.messages)
+    if not isinstance(prompt.text, str):
+        raise InvalidArgument(prompt.field, f"must be text, got {type(prompt.text).__name__}")
+    return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+
+
+async def tokenize_async(tokenizer: TextTokenizer, prompt: Prompt) -> list[int]:
+    """``tokenize``, with long inputs off the event loop."""
+    if num_chars(prompt) < LONG_INPUT_CHARS:
+        return tokenize(tokenizer, prompt)
+    return await asyncio.to_thread(tokenize, tokenizer, prompt)
+
+
+def check_messages(field: str, messages: list[dict[str, str]]) -> None:
+    """Chat messages as dicts: each a ``{"role": ..., "content": "..."}`` with a known role."""
+    checked = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content", ""), str) or not isinstance(m.get("role"), str):
+            raise InvalidArgument(f"{field}[{i}]", 'each message is {"role": "...", "content": "..."}')
+        checked.append(generate_pb2.ChatMessage(role=m["role"], content=m.get("content", "")))
+    v.check_messages(field, checked)
+
+
+def num_chars(prompt: Prompt) -> int:
+    if isinstance(prompt, TextPrompt):
+        return len(prompt.text) if isinstance(prompt.text, str) else 0
+    if isinstance(prompt, ChatPrompt):
+        return sum(len(m.get("content") or "") for m in prompt.messages if isinstance(m, dict))
+    return 0
