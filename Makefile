@@ -24,17 +24,28 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/kvgrid serve
 
-# docker-compose checks the compose files in tests/deploy; a failed install leaves those tests failing with a hint
+# $(call apt_tool,COMMAND,PACKAGE): install a Debian package the tests use when its command is missing,
+# only as root where apt-get exists (as in CI); otherwise one line says so and the tests that need it skip.
+define apt_tool
+	@command -v $(1) >/dev/null || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && apt-get install -y -qq $(2)) || echo "$@: could not install $(2); the tests that need $(1) are skipped"; \
+	else \
+		echo "$@: $(1) is not installed and installing it needs root and apt-get; the tests that need it are skipped"; \
+	fi
+endef
+
+# docker-compose checks the compose files in tests/deploy
 deploy-tools:
-	@command -v docker-compose >/dev/null || (apt-get update -qq && apt-get install -y -qq docker-compose) || \
-		echo "deploy-tools: could not install docker-compose; tests/deploy will fail until it is installed"
+	$(call apt_tool,docker-compose,docker-compose)
 
 # tests of the redis KV tier start Debian's redis-server on a free port
 test-tools:
-	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server) || \
-		echo "test-tools: could not install redis-server; the redis KV tier tests will be skipped"
+	$(call apt_tool,redis-server,redis-server)
 
+# the layer contracts first: a second, and a broken layer is worth knowing before the long run
 test: install deploy-tools test-tools
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # benchmarks and long suites, excluded from `make test`
@@ -47,6 +58,7 @@ bench: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache --no-logo
 
 format: install
 	$(VENV)/bin/ruff check --fix .

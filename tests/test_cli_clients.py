@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -20,13 +23,26 @@ REPLY = ["Hel", "lo", " wörld"]
 
 
 class FakeTextGeneration(generate_pb2_grpc.TextGenerationServicer):
-    """Streams REPLY one piece per message (token id = piece index); prompt 'bad' is rejected."""
+    """Streams REPLY one piece per message (token id = piece index), each after `delay` seconds; prompt 'bad'
+    is rejected, and the prompt (or last chat message) 'endless' streams until the client cancels."""
 
-    def __init__(self):
+    def __init__(self, delay: float = 0.0):
+        self.delay = delay
         self.requests: list = []
+        self.cancelled = threading.Event()  # an endless stream ended because its client went away
+
+    def _endless(self, context):
+        while context.is_active():
+            yield generate_pb2.GenerateResponse(text="word ", token_ids=[300])
+            time.sleep(0.01)
+        self.cancelled.set()
 
     def _stream(self, request, context):
         self.requests.append(request)
+        text = request.messages[-1].content if isinstance(request, generate_pb2.ChatRequest) else request.prompt
+        if text == "endless":
+            yield from self._endless(context)
+            return
         if getattr(request, "prompt", "") == "bad":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature: must be >= 0")
         if isinstance(request, generate_pb2.ChatRequest) and request.messages[-1].content == "base model":
@@ -35,6 +51,7 @@ class FakeTextGeneration(generate_pb2_grpc.TextGenerationServicer):
         num_prompt = len(getattr(request, "prompt_token_ids", ())) or 4
         pieces = REPLY[:n]
         for i, piece in enumerate(pieces):
+            time.sleep(self.delay)
             last = i == len(pieces) - 1
             yield generate_pb2.GenerateResponse(
                 text=piece,
@@ -53,15 +70,45 @@ class FakeTextGeneration(generate_pb2_grpc.TextGenerationServicer):
         return generate_pb2.ModelInfo(model="fake", vocab_size=1000, max_model_len=2048)
 
 
-@pytest.fixture(scope="module")
-def fake_server():
-    servicer = FakeTextGeneration()
+def serve_fake(servicer: FakeTextGeneration):
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     generate_pb2_grpc.add_TextGenerationServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     yield servicer, f"127.0.0.1:{port}"
     server.stop(grace=None)
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    yield from serve_fake(FakeTextGeneration())
+
+
+@pytest.fixture(scope="module")
+def slow_server():
+    """Each request takes about 0.3 s (three messages 0.1 s apart)."""
+    yield from serve_fake(FakeTextGeneration(delay=0.1))
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def kvgrid_into_closing_pipe(argv: list[str], stdin: str = "") -> tuple[int, bytes]:
+    """Run `kvgrid ARGV | head -c 1`: stdout's reader closes after the first bytes. Returns (exit code, stderr)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvgrid.cli", *argv],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc.stdin.write(stdin.encode())
+    proc.stdin.close()
+    assert os.read(proc.stdout.fileno(), 16), "no output before stdout closed"
+    proc.stdout.close()
+    err = proc.stderr.read()
+    return proc.wait(timeout=60), err
 
 
 def closed_port() -> int:
@@ -125,6 +172,26 @@ def test_generate_against_a_closed_port_says_so_without_a_traceback():
     ]
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", [[], ["--json"], ["--raw"]])
+def test_generate_into_a_closed_pipe_ends_quietly_and_cancels_the_call(fake_server, mode):
+    servicer, addr = fake_server
+    servicer.cancelled.clear()
+    code, err = kvgrid_into_closing_pipe(["generate", "endless", "--addr", addr, *mode])
+    assert err.decode() == ""  # no BrokenPipeError traceback, nor "Exception ignored" at exit
+    assert code == client.EXIT_CLOSED_STDOUT == 141
+    assert servicer.cancelled.wait(10), "the server's stream was not cancelled"
+
+
+@pytest.mark.timeout(120)
+def test_chat_into_a_closed_pipe_ends_quietly(fake_server):
+    servicer, addr = fake_server
+    servicer.cancelled.clear()
+    code, err = kvgrid_into_closing_pipe(["chat", "--addr", addr], stdin="endless\nnot sent\n")
+    assert (code, err.decode()) == (141, "")
+    assert servicer.cancelled.wait(10), "the server's stream was not cancelled"
+
+
 def test_chat_keeps_the_history_and_reset_forgets_it(fake_server, capsys, monkeypatch):
     servicer, addr = fake_server
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nand then?\n/reset\nagain\n/exit\nnot sent\n"))
@@ -150,7 +217,9 @@ def test_bench_counts_every_token_and_request(fake_server, capsys):
     before = len(servicer.requests)
     argv = ["--addr", addr, "-n", "6", "-c", "2", "--input-len", "10", "--output-len", "3", "--json"]
     assert bench.main(argv) == 0
-    summary = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    summary = json.loads(out)
+    assert err == ""  # stderr is no terminal here: no progress bar
     sent = servicer.requests[before:]
     assert len(sent) == 6
     assert all(len(r.prompt_token_ids) == 10 and r.sampling.ignore_eos for r in sent)
@@ -158,6 +227,34 @@ def test_bench_counts_every_token_and_request(fake_server, capsys):
     assert (summary["completed"], summary["failed"]) == (6, 0)
     assert (summary["input_tokens"], summary["output_tokens"]) == (60, 18)
     assert summary["request_throughput"] > 0 and summary["ttft_ms"]["p99"] >= summary["ttft_ms"]["p50"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_bench_shows_progress_on_stderr_as_requests_finish(slow_server):
+    _, addr = slow_server
+    argv = ["bench", "--addr", addr, "-n", "4", "-c", "1", "--input-len", "4", "--output-len", "3", "--force-tqdm"]
+    proc = subprocess.Popen([sys.executable, "-m", "kvgrid.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = b""
+    while b"1/4" not in seen:
+        chunk = os.read(proc.stderr.fileno(), 4096)
+        assert chunk, f"stderr ended before one request was counted: {seen!r}"
+        seen += chunk
+    assert proc.poll() is None, "the first request was counted only when the run ended"
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert b"4/4" in seen + err and b"requests completed" not in seen + err
+    report = out.decode().splitlines()
+    assert report[0] == "requests completed          4 (0 failed)" and len(report) == 10, report
+
+
+def test_bench_bar_follows_the_terminal_and_disable_tqdm(fake_server, monkeypatch, capsys):
+    _, addr = fake_server
+    for flags, shown in (([], True), (["--disable-tqdm"], False)):
+        terminal = FakeTerminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        assert bench.main(["--addr", addr, "-n", "2", "--input-len", "4", "--output-len", "2", "--json", *flags]) == 0
+        assert json.loads(capsys.readouterr().out)["completed"] == 2
+        assert ("2/2" in terminal.getvalue()) is shown, (flags, terminal.getvalue())
 
 
 def test_bench_report_has_the_headline_numbers():

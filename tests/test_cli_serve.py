@@ -228,3 +228,50 @@ def test_serve_hands_the_worker_its_arrangement(monkeypatch, capsys):
     serve.arrange_worker_threads(config, worker)
     assert worker.env == {"GOMP_SPINCOUNT": "300000"}
     assert "kvgrid serve: worker: 2 threads sharing 2 cores" in capsys.readouterr().out
+
+
+def fake_install(root) -> tuple[str, str]:
+    """A virtualenv-like bin/ with an interpreter and the console script; returns (python, bin dir)."""
+    bin_dir = root / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "kvgrid"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    return str(bin_dir / "python"), str(bin_dir)
+
+
+def test_ready_line_names_the_venv_script_when_the_venv_is_not_on_path(tmp_path):
+    python, bin_dir = fake_install(tmp_path)
+    # `make serve` from the checkout in a fresh shell: .venv/bin is not on PATH
+    assert serve.kvgrid_command(python, path="/usr/bin:/bin", cwd=str(tmp_path)) == ".venv/bin/kvgrid"
+    # from elsewhere the path is absolute
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert serve.kvgrid_command(python, path="/usr/bin", cwd=str(elsewhere)) == f"{bin_dir}/kvgrid"
+    # another kvgrid first on PATH would run something else
+    other, _ = fake_install(tmp_path / "other")
+    path = f"{os.path.dirname(other)}:{bin_dir}"
+    assert serve.kvgrid_command(python, path=path, cwd=str(tmp_path)) == ".venv/bin/kvgrid"
+
+
+def test_ready_line_says_plain_kvgrid_when_path_finds_this_one(tmp_path):
+    python, bin_dir = fake_install(tmp_path)
+    # an activated virtualenv (its bin/ first on PATH), or a system install
+    assert serve.kvgrid_command(python, path=f"{bin_dir}:/usr/bin", cwd=str(tmp_path)) == "kvgrid"
+
+
+def test_ready_line_without_a_console_script_runs_the_module(tmp_path):
+    python, bin_dir = fake_install(tmp_path)
+    os.remove(os.path.join(bin_dir, "kvgrid"))
+    assert serve.kvgrid_command(python, path="/nowhere", cwd=str(tmp_path)) == ".venv/bin/python -m kvgrid.cli"
+
+
+def test_ready_message_prints_the_command_that_works_as_pasted(tmp_path, monkeypatch, capsys):
+    python, _ = fake_install(tmp_path)
+    monkeypatch.setattr(serve.sys, "executable", python)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    monkeypatch.chdir(tmp_path)
+    serve.print_ready(parse(["--host", "127.0.0.1"]), [])
+    assert '    .venv/bin/kvgrid generate "What is the capital of France?" --addr 127.0.0.1:50051' in (
+        capsys.readouterr().out.splitlines()
+    )

@@ -5,6 +5,10 @@ flight, each asking for a fixed number of output tokens with EOS ignored.
 Reports request and token throughput, time to first token (TTFT), inter-token
 latency (ITL: the gap between streamed messages, shared by the tokens a message
 carries) and end-to-end latency, as mean and p50/p90/p99.
+
+While it runs, a progress bar on stderr counts finished requests (when stderr is a
+terminal, or with --force-tqdm; --disable-tqdm turns it off); stdout carries only
+the report.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
+from tqdm import tqdm
 
-from kvgrid.cli.generate import add_connection_arguments, describe_error
+from kvgrid.cli.generate import add_connection_arguments, closed_stdout, describe_error
 from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from services.common.server import insecure_channel
 
@@ -136,14 +141,20 @@ async def run(args: argparse.Namespace) -> dict:
         info = await stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)
         prompts = make_prompts(args, info.vocab_size)
         limit = asyncio.Semaphore(args.concurrency)
+        bar = tqdm(total=len(prompts), desc="requests", unit="req", file=sys.stderr, disable=progress_disabled(args))
 
         async def bounded(prompt: list[int], max_tokens: int) -> RequestResult:
             async with limit:
-                return await run_one(stub, prompt, max_tokens, args.timeout)
+                result = await run_one(stub, prompt, max_tokens, args.timeout)
+            bar.update(1)
+            return result
 
         start = time.perf_counter()
-        results = await asyncio.gather(*(bounded(p, n) for p, n in prompts))
-        duration = time.perf_counter() - start
+        try:
+            results = await asyncio.gather(*(bounded(p, n) for p, n in prompts))
+            duration = time.perf_counter() - start
+        finally:
+            bar.close()
     summary = summarize(list(results), duration)
     summary.update(model=info.model, num_requests=args.num_requests, concurrency=args.concurrency)
     summary.update(input_len=args.input_len, output_len=args.output_len)
@@ -159,8 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary uniformly by ± this share (0)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the random prompts (0)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    progress = parser.add_mutually_exclusive_group()
+    progress.add_argument("--disable-tqdm", action="store_true", help="no progress bar on stderr")
+    progress.add_argument(
+        "--force-tqdm", action="store_true", help="a progress bar on stderr even when it is not a terminal"
+    )
     add_connection_arguments(parser)
     return parser
+
+
+def progress_disabled(args: argparse.Namespace) -> bool | None:
+    """tqdm's `disable`: None leaves it to tqdm, which shows the bar only when stderr is a terminal."""
+    if args.disable_tqdm:
+        return True
+    return False if args.force_tqdm else None
 
 
 def validate(args: argparse.Namespace) -> list[str]:
@@ -188,5 +211,8 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("kvgrid bench: interrupted", file=sys.stderr)
         return 130
-    print(json.dumps(summary) if args.json else format_report(summary))
+    try:
+        print(json.dumps(summary) if args.json else format_report(summary), flush=True)
+    except BrokenPipeError:
+        return closed_stdout()
     return 0 if summary["failed"] == 0 else 1

@@ -12,7 +12,13 @@ import sys
 
 import grpc
 
-from kvgrid.cli.generate import add_connection_arguments, add_sampling_arguments, describe_error, sampling_from_args
+from kvgrid.cli.generate import (
+    add_connection_arguments,
+    add_sampling_arguments,
+    closed_stdout,
+    describe_error,
+    sampling_from_args,
+)
 from kvgrid.v1 import generate_pb2, generate_pb2_grpc
 
 EXIT_COMMANDS = ("/exit", "/quit")
@@ -67,6 +73,13 @@ def read_line(interactive: bool) -> str | None:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except BrokenPipeError:  # `kvgrid chat < questions.txt | head`
+        return closed_stdout()
+
+
+def run(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     conversation = Conversation(args.system)
     if interactive:

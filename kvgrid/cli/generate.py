@@ -19,10 +19,29 @@ from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
 DEFAULT_ADDR = "localhost:50051"
 ADDR_ENV = "KVGRID_ADDR"
+# What a shell reports for a command killed by SIGPIPE (128 + 13), as `seq 1000000 | head -1` does for seq.
+EXIT_CLOSED_STDOUT = 141
 
 
 class ClientError(Exception):
     """A failed call, already phrased for the terminal."""
+
+
+def closed_stdout() -> int:
+    """The reader of stdout went away (`kvgrid generate ... | head -1`): end quietly, with the status a
+    command killed by SIGPIPE gets, so `set -o pipefail` scripts see what they see for `cat` or `seq`.
+
+    Python ignores SIGPIPE, so the write raised BrokenPipeError; what is still buffered would be flushed
+    again at exit and fail again ("Exception ignored ... BrokenPipeError"): stdout's descriptor now
+    points at /dev/null, so that last flush goes nowhere."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # replaced by something without a descriptor
+        return EXIT_CLOSED_STDOUT
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+    return EXIT_CLOSED_STDOUT
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -131,6 +150,13 @@ class Printer:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except BrokenPipeError:
+        return closed_stdout()
+
+
+def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     request = build_request(args, prompt)
     printer = Printer(args.json)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -239,6 +241,32 @@ def _describe_exit(child: Child) -> str:
     return f"the {child.name} {how}"
 
 
+def kvgrid_command(executable: str | None = None, path: str | None = None, cwd: str | None = None) -> str:
+    """`kvgrid` as the user's shell would run this installation: the bare name where PATH finds this very
+    script (an activated virtualenv, a system install), else its path, relative to the working directory
+    when under it (`.venv/bin/kvgrid` after `make serve` in a fresh shell). Defaults: this interpreter,
+    $PATH, the working directory."""
+    executable = executable or sys.executable
+    path = os.environ.get("PATH", os.defpath) if path is None else path
+    cwd = cwd or os.getcwd()
+    # The console script sits beside the interpreter; in a virtualenv that is the environment's bin/,
+    # which only activation (or the user) puts on PATH.
+    script = os.path.join(os.path.dirname(executable), "kvgrid")
+    found = shutil.which("kvgrid", path=path)
+    if not os.path.isfile(script):  # started as `python -m kvgrid.cli` with no script installed beside it
+        return "kvgrid" if found else f"{_shell_path(executable, cwd)} -m kvgrid.cli"
+    if found and os.path.samefile(found, script):
+        return "kvgrid"
+    return _shell_path(script, cwd)
+
+
+def _shell_path(path: str, cwd: str) -> str:
+    relative = os.path.relpath(path, cwd)
+    if relative.split(os.sep, 1)[0] == os.pardir:  # not under cwd
+        return shlex.quote(os.path.abspath(path))
+    return shlex.quote(relative if os.sep in relative else os.path.join(os.curdir, relative))
+
+
 def print_ready(config: cfg.Config, children: list[Child]) -> None:
     net = config.network
     host = dial_host(net.host)
@@ -252,7 +280,7 @@ def print_ready(config: cfg.Config, children: list[Child]) -> None:
     _say(f"  worker       kvgrid.v1.Worker          grpc://{host}:{net.worker_port}")
     pids = ", ".join(f"{c.name} pid {c.process.pid}" for c in children)
     _say(f"ready ({pids}). Try:")
-    print(f'    kvgrid generate "What is the capital of France?" --addr {public}', flush=True)
+    print(f'    {kvgrid_command()} generate "What is the capital of France?" --addr {public}', flush=True)
     print(f"    grpcurl -plaintext {public} list", flush=True)
     body = '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
     print(f"    curl {http}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)

@@ -1,5 +1,10 @@
 """The scheduler never imports torch (its image has none), nor the structured-output library: it carries
-SamplingParams to the worker untouched."""
+SamplingParams to the worker untouched.
+
+import-linter's contracts in pyproject.toml state the same of the scheduler's own import statements. These
+tests check what importing does at run time, which the static graph cannot see: imports that third-party
+packages make in turn (import-linter stops at the first external module), and modules loaded by name
+(importlib)."""
 
 from __future__ import annotations
 
