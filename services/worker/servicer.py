@@ -27,8 +27,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # One thread runs the model: loading (see server.start_worker) and every step. Streams share the
         # device and the KV cache, so steps never overlap; and OpenMP keeps one thread team per calling
         # thread: with a second team alive (loading on another thread) libgomp finds more threads than
-        # cores and stops spin-waiting between parallel regions. A batch-1 decode step on 2 cores went
-        # from 17 to 25 ms that way.
+        # cores and stops spin-waiting between parallel regions, so each of a step's many short regions pays a
+        # thread wake-up, which small decode steps feel most.
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-model")
         # The request states of each open Execute stream, so that a drain knows when they are done.
         self._open: list[RequestStates] = []

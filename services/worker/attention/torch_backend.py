@@ -108,7 +108,7 @@ def _prefill(query, k_cache, v_cache, blocks, seq_len: int, scale: float) -> tor
 
     Keys and values are repeated per query head and the call is batched (4-D): torch's fused
     attention kernel takes only that form; with ``enable_gqa`` or 3-D inputs SDPA falls back to its
-    math path, which builds the [H, q_len, S] scores and mask (on CPU 4x slower at 512 tokens)."""
+    math path, which builds the [H, q_len, S] scores and mask in memory (on CPU far slower at long prompts)."""
     q_len, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     blocks = blocks.long()

@@ -4,9 +4,9 @@
  * -fopenmp) and called through ctypes with raw pointers to contiguous torch tensors.
  *
  * Why: at batch 1 a decode step is ~120 matrix-vector products over the whole model, and
- * torch's bfloat16 GEMV reaches about half the memory bandwidth of this kind of CPU, while
- * the ~20 small eager ops per layer around them cost 2-20 us each. These kernels stream
- * weights at close to bandwidth and do each small op in one call.
+ * torch's bfloat16 GEMV falls well short of the memory bandwidth, while each of the ~20 small
+ * eager ops per layer around them pays torch's dispatch, more than its own math at batch 1.
+ * These kernels stream weights at close to bandwidth and do each small op in one call.
  *
  * Numerics follow the torch path op for op: every value torch would hold in a tensor of the
  * model dtype is rounded to that dtype here at the same point (bfloat16: round to nearest
@@ -80,8 +80,8 @@ INLINE void dot_rows(const float *x, const void *w, int64_t n0, int64_t K, int d
     const int64_t r0 = n0 * K, r1 = r0 + K, r2 = r1 + K, r3 = r2 + K;
     int64_t k = 0;
     /* bfloat16 rows are short streams (1152 bytes at K = 576) that the hardware prefetchers pick up
-     * late: the next group's rows are asked for, a line per 32 elements. Cold weights of a whole
-     * model on 2 cores: 1.1-1.3x at 1 row, 1.3-1.5x at 2-3; float32 was no faster with it. */
+     * late: the next group's rows are asked for, a line per 32 elements. float32 rows gain nothing
+     * from it, so only bfloat16 asks (benchmarks/worker_bench.py --dtype bfloat16 times the steps). */
     const char *next = (const char *)w + (r3 + K) * 2;
     for (; k + 8 <= K; k += 8) {
         if (dt == BF16 && k % 32 == 0)
@@ -236,8 +236,8 @@ void kvg_rope_write_kv(void *qkv, int64_t ldq, const void *cos, const void *sin,
 /*
  * out[m] = argmax of float32 row m of x ([M, N], row stride ldx), as torch.argmax: the first index
  * of the largest value, or of the first NaN when the row has one. Eight lanes each keep their
- * first maximum; the lanes' winners are merged by value, then index. torch's own argmax takes
- * ~3 ms for 64 rows of a 49,152-token vocabulary on 2 cores, ~4% of a batch-64 step.
+ * first maximum; the lanes' winners are merged by value, then index. torch's own argmax over a
+ * whole vocabulary is a visible share of a large batch's step (benchmarks/sampling_bench.py's greedy case).
  */
 void kvg_argmax_rows(const float *x, int64_t ldx, int M, int64_t N, int64_t *out) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * N > 65536)
@@ -346,8 +346,8 @@ void kvg_exp(const float *x, float *y, int64_t n) {
 
 /*
  * out[m, i] = silu(gate_up[m, i]) * gate_up[m, I + i]: torch rounds silu's output, then the product.
- * silu(g) = g / (1 + exp(-g)) with exp8, eight at a time (libm's expf per value was ~8% of a
- * batch-64 step); rows split across threads when there are enough of them.
+ * silu(g) = g / (1 + exp(-g)) with exp8, eight at a time (libm's expf, one scalar call per value,
+ * showed in large batches' steps); rows split across threads when there are enough of them.
  */
 void kvg_silu_mul(const void *gate_up, void *out, int M, int64_t I, int dt) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * I > 8192)
@@ -368,7 +368,7 @@ void kvg_silu_mul(const void *gate_up, void *out, int M, int64_t I, int dt) {
 }
 
 #define SPAN 8 /* tokens whose keys and values are taken together */
-#define AHEAD 1 /* spans prefetched ahead: 1.25x over the hardware prefetchers alone, more gained nothing */
+#define AHEAD 1 /* spans prefetched ahead: one span beats the hardware prefetchers alone, more gains nothing */
 
 /*
  * The cache rows (in elements, rows of `row`) of tokens t .. t + SPAN - 1 of one sequence; tokens from
@@ -498,8 +498,8 @@ INLINE void attention_chunk(const float *qf, const void *k_cache, const void *v_
  * the output's NC vectors stay in registers over the chunk's tokens (one load and one multiply-add
  * per vector and token, no loads and stores of the output between spans); the G heads of a KV
  * head read its values from L1 after the first. Values are summed in token order, as above; the
- * scores differ from the AVX2 chunk's in the order of their partial sums only. Cold 64 x 400
- * cache on 2 cores: 1.16x the AVX2 chunk (16.5 -> 19.2 GB/s; a plain read of the same rows: 25.7).
+ * scores differ from the AVX2 chunk's in the order of their partial sums only. On a cold cache it
+ * reads faster than the AVX2 chunk, though still short of a plain read of the same rows.
  */
 #define AVX512_TARGET "avx2,fma,avx512f"
 #define AVX512_FN __attribute__((target(AVX512_TARGET), always_inline)) static inline
@@ -580,17 +580,17 @@ __attribute__((target(AVX512_TARGET))) static void attention_chunk_avx512(
  * bfloat16 caches on CPUs with AVX512-BF16, for D = 32 * NQ (head sizes 64 and 128): dot products
  * of bfloat16 pairs (VDPBF16PS: two exact products added into a float32 lane), on the cache's and
  * the query's own bits. The chunks above widen every bfloat16 to float32 before its multiply-add,
- * once per query head. 64 sequences of 600 tokens (9 heads of 64 over 3 KV heads, cold cache,
- * 2 cores): 1.2x the AVX-512 chunk (10.7 -> 13.0 GB/s; a plain read of the same rows in the same
- * order: ~20). Keys: the query head's NQ vectors against SPAN keys, then the same reduction as
- * the AVX-512 chunk. Values: the chunk's probabilities are rounded to bfloat16 (as torch's
- * flash attention on CPU and vLLM's paged attention round them before the product with V), and
+ * once per query head. On a cold cache this beats the AVX-512 chunk, though it stays short of a
+ * plain read of the same rows in the same order. Keys: the query head's NQ vectors against SPAN
+ * keys, then the same reduction as the AVX-512 chunk. Values: the chunk's probabilities are rounded
+ * to bfloat16 (as torch's flash attention on CPU and vLLM's paged attention round them before the
+ * product with V), and
  * two tokens go at once, their value rows interleaved element by element (vpunpck{l,h}wd) so that
  * a lane's pair is (v_t[d], v_t+1[d]) against (p_t, p_t+1). The interleave puts element
  * d = 8 * (i / 4) + i % 4 of a 32-element group in lane i of the low half (+ 4 in the high half);
  * the output is put back in order at the end. Products are exact in float32 and sums float32, as
  * above; what differs is the probabilities' rounding, the order of the sums and that VDPBF16PS
- * flushes subnormals (below 1e-38) to zero. Tried and slower (0.85x): one pass over the values
+ * flushes subnormals (below 1e-38) to zero. Tried and slower: one pass over the values
  * for all G heads of a KV head, sharing each pair's loads and interleave.
  */
 #define BF16DOT_TARGET "avx2,fma,avx512f,avx512bw,avx512bf16"

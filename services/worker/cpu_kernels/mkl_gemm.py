@@ -1,8 +1,9 @@
 """float32 GEMMs on weights packed once for MKL (``cblas_sgemm_pack`` / ``cblas_sgemm_compute``).
 
 MKL's sgemm copies the weight into its blocked layout on every call. At the row counts of decode
-batches that copy is a large share of the call: a Llama layer's four products on 2 cores (AVX-512),
-packed once against torch's ``F.linear``, 1.8x at 16 rows, 1.5x at 32, 1.3x at 64. The packed
+batches that copy is a large share of the call, so a weight packed once beats torch's ``F.linear``
+there, by less as the rows grow and the product's own work outweighs the copy
+(``benchmarks/worker_bench.py --dtype float32`` times the decode steps these products serve). The packed
 layout holds the weight once more (~1x its bytes resident). Products equal ``F.linear``'s within
 float32 rounding (bitwise at most shapes: the same kernels over the same blocks; below ~8 rows
 F.linear takes another kernel, and MKL may split a call's threads differently).
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
-_PACK_ROWS_HINT = 64  # the row count MKL is told to expect (the packed size was the same for 1-2048)
+_PACK_ROWS_HINT = 64  # the row count MKL is told to expect (the packed size does not depend on it)
 
 
 @functools.cache
@@ -63,7 +64,7 @@ class PackedGemm:
         self.n, self.k = weight.shape
         weight = weight.contiguous()
         size = lib.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS_HINT, self.n, self.k)
-        # get_size is an upper bound (2-9x the weight here); the pages MKL never writes stay unallocated.
+        # get_size is an upper bound, a multiple of the weight; the pages MKL never writes stay unallocated.
         self.buffer = torch.empty(-(-size // 4), dtype=torch.float32)
         lib.cblas_sgemm_pack(
             _ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS_HINT, self.n, self.k, 1.0, weight.data_ptr(), self.k,

@@ -3,11 +3,13 @@
 torch's bfloat16 ``F.linear`` on a CPU is oneDNN's GEMM, which copies the weight into its blocked
 bfloat16-pair layout on every call. At the row counts of decode batches that copy is most of the
 call. Reordered once at load (``torch.ops.mkldnn._reorder_linear_weight``, the op Inductor's CPU
-freezing uses) and multiplied by ``torch.ops.mkldnn._linear_pointwise``, SmolLM2-135M's layer
-weights, cold, on 2 cores of an AVX512-BF16 EPYC, against ``F.linear``: 1.7x at 4 rows, 1.6x at
-16, 1.3x at 64, 1.0x at 2048; and against the native GEMV (which widens bfloat16 to float32) 1.05x
-at 1 row, 1.4x at 4. The products are ``F.linear``'s bit for bit (the same kernels, a layout
-chosen once). The reordered weight holds the weight once more (~1x its bytes resident).
+freezing uses) and multiplied by ``torch.ops.mkldnn._linear_pointwise``, the same GEMM skips that
+copy: never slower than ``F.linear``, it gains most at few rows, where the copy is the largest share
+of the call, and evens out at prefill sizes, where the product itself dominates. It also matches the
+native GEMV at one row and beats it above, because the GEMV widens bfloat16 to float32 while these
+units multiply bfloat16 pairs as stored. ``benchmarks/worker_bench.py --dtype bfloat16`` times the
+decode steps these products serve. The products are ``F.linear``'s bit for bit (the same kernels, a
+layout chosen once). The reordered weight holds the weight once more (~1x its bytes resident).
 
 Only where the CPU has bfloat16 units (AVX512-BF16, AMX): elsewhere oneDNN emulates bfloat16 and
 the model multiplies in float32 (``layers.linear.Linear.upcast``).
@@ -38,7 +40,7 @@ class OnednnGemm:
 
     weights = "oneDNN's reordered bfloat16"  # for the log
     dtype = torch.bfloat16  # of the weight, the input and the product
-    min_rows = 1  # faster than the native GEMV at one row too (see above)
+    min_rows = 1  # at least as fast as the native GEMV at one row too (see above)
 
     def __init__(self, weight: torch.Tensor):
         if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":

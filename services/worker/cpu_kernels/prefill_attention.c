@@ -3,10 +3,10 @@
  * Built at first use by library.py (cc -O3 -mavx512f -mavx2 -mfma -fopenmp) and loaded only where
  * the CPU has AVX-512F; elsewhere prefill chunks keep torch's SDPA.
  *
- * Why: torch's fused CPU attention reached ~55 GFLOP/s here on prompts of 64-512 tokens (9 heads of
- * 64), under a seventh of what the same cores give a bf16 GEMM, and it needs the context gathered
- * out of the blocks and every KV head repeated per query head first. On a mixed workload (prompts
- * of 16-512 tokens) that was ~12% of the worker's time.
+ * Why: torch's fused CPU attention, on prompts of up to a few hundred tokens, runs far below what
+ * the same cores give a bf16 GEMM, and it needs the context gathered out of the blocks and every KV
+ * head repeated per query head first. On a workload of mixed prompt lengths that made attention a
+ * sizeable share of the worker's time.
  *
  * Layout: a task is 16 consecutive query rows of one sequence against one KV head, for the G query
  * heads sharing it. The 16 rows sit in the 16 lanes of a vector: a key's score for all 16 rows is D

@@ -286,8 +286,9 @@ static void linear_scalar(const QRows *xr, const void *w, const float *scales, c
 /*
  * At batch 1 the weights stream from memory (92 MiB a token for the default model), and one core's
  * few outstanding misses bound its bandwidth: requesting the lines PREFETCH_AHEAD bytes ahead (the
- * next tiles, which this thread takes next) measured 1.2x faster decode steps than the hardware
- * prefetchers alone (4-16 KiB ahead alike).
+ * next tiles, which this thread takes next) keeps more misses in flight than the hardware prefetchers
+ * alone, and any distance of 4-16 KiB does as well (benchmarks/worker_bench.py --quantization gguf
+ * --batch-sizes 1 times those steps).
  */
 #define PREFETCH_AHEAD 4096
 

@@ -20,8 +20,8 @@ class HostTier:
         if k0.device.type == "cuda":
             self.slots = torch.empty(shape, dtype=k0.dtype, pin_memory=True)
         else:
-            # Fresh pages from calloc, as the KV cache itself: with a 2 GiB torch.empty here instead, every later
-            # step of the default model on CPU ran several times slower (measured; kv_tiers_bench).
+            # Fresh pages from calloc, as the KV cache itself, never a torch.empty of the tier's size: that slows
+            # every later model step on CPU, as the host side of benchmarks/kv_tiers_bench.py shows.
             self.slots = lazily_zeroed(shape, k0.dtype)
         self.bytes_per_block = k0[0].numel() * k0.element_size() * 2 * layers
 

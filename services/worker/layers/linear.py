@@ -16,7 +16,7 @@ class Linear(nn.Linear):
     """``nn.Linear`` that can multiply half-precision weights in float32 (``upcast``).
 
     On CPUs without bfloat16/float16 units (no AVX512-BF16 or AMX) the half-precision GEMM is
-    emulated and runs 5-50x slower than float32 once there is more than one row. Upcasting gives
+    emulated and runs many times slower than float32 once there is more than one row. Upcasting gives
     the same products (each half-precision value is exact in float32, the GEMM accumulates in
     float32 either way) rounded once to the output dtype; weights and the KV cache stay in half
     precision. A single row (one decode at batch 1) is memory-bound and stays native.

@@ -274,8 +274,8 @@ class LlamaForCausalLM(nn.Module):
         """Half-precision weights multiplied in float32 (see ``Linear``); for CPUs without bf16 units.
 
         Call after ``load_weights``. When float32 copies of all matmul weights fit in
-        ``float32_copy_limit`` bytes they are made once here (bf16 SmolLM2-135M: 0.5 GiB; at batch 16
-        converting them every step took ~2/3 of the step); larger models convert per call."""
+        ``float32_copy_limit`` bytes they are made once here (bf16 SmolLM2-135M: 0.5 GiB; converting them on
+        every step costs more than the step's products at decode batch sizes); larger models convert per call."""
         self.upcast_matmuls = enabled
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         embed = self.embed_tokens.weight

@@ -1,23 +1,24 @@
 """The Llama forward pass on the native CPU kernels, for every step: decodes, prefill chunks, both.
 
-At batch 1 a decode step on a CPU is ~120 matrix-vector products plus ~20 small ops per
-layer. torch's bfloat16 matrix-vector product reaches about half the memory bandwidth here,
-and each small eager op costs 2-20 us of dispatch; ``cpu_kernels/decode_kernels.c`` streams
-the weights at close to bandwidth and does each small op in one call, 9 calls per layer.
-Norms, rotary embedding and the cache write always run here, and so does paged attention over
-the block tables for decodes, and for prefill chunks too where the CPU has AVX-512
-(``cpu_kernels/prefill_attention.c``, ~2x torch's SDPA at 64-512 tokens with no gather of the
-context); elsewhere prefill chunks attend through the attention backend (SDPA). In a
-2048-token prefill chunk the small ops in torch and the copies between them were ~15% of the
-step (the native ones: ~3%). Matmuls pick their kernel by row count (``Linear.gemm``, the weight
-packed at load): float32 weights take the native GEMV for one row and MKL's GEMM on packed weights
-above (written straight into this path's buffers: 1.1x the GEMV at 2 rows, 1.4x at 12); bfloat16
-weights on a CPU with bfloat16 units take oneDNN's GEMM on weights reordered for those units at
-every row count (``cpu_kernels.onednn_gemm``: as fast as the GEMV, which widens to float32, at one
-row, and faster above). Without a packed GEMM, the native GEMV up to ``gemv_rows`` rows (16; 4 for
-bfloat16 with bfloat16 units) and torch's GEMM above (compute-bound there, where MKL is faster);
-packed weights (``--quantization``) take ``quant.matmul``. Same weights, same KV cache, same
-numerics op for op (see the C files).
+At batch 1 a decode step on a CPU is ~120 matrix-vector products plus ~20 small ops per layer.
+torch's bfloat16 matrix-vector product falls well short of the memory bandwidth, and each small
+eager op pays torch's dispatch, more than its own math at batch 1;
+``cpu_kernels/decode_kernels.c`` streams the weights at close to bandwidth and does each small op
+in one call, 9 calls per layer. Norms, rotary embedding and the cache write always run here, and
+so does paged attention over the block tables for decodes, and for prefill chunks too where the
+CPU has AVX-512 (``cpu_kernels/prefill_attention.c``, which reads the context from the blocks in
+place where SDPA needs it gathered first); elsewhere prefill chunks attend through the attention
+backend (SDPA). Even in a long prefill chunk, where the matmuls dominate, the small ops in torch
+and the copies between them cost a share of the step that the native ones mostly remove. Matmuls
+pick their kernel by row count (``Linear.gemm``, the weight packed at load): float32 weights take
+the native GEMV for one row and MKL's GEMM on packed weights above (written straight into this
+path's buffers, and ahead of the GEMV from two rows); bfloat16 weights on a CPU with bfloat16
+units take oneDNN's GEMM on weights reordered for those units at every row count
+(``cpu_kernels.onednn_gemm``: as fast as the GEMV, which widens to float32, at one row, and faster
+above). Without a packed GEMM, the native GEMV up to ``gemv_rows`` rows (16; 4 for bfloat16 with
+bfloat16 units) and torch's GEMM above (compute-bound there, where MKL is faster); packed weights
+(``--quantization``) take ``quant.matmul``. Same weights, same KV cache, same numerics op for op
+(see the C files).
 """
 
 from __future__ import annotations
@@ -32,12 +33,16 @@ from services.worker.quant.formats import FORMAT_CODES
 from services.worker.quant.matmul import DEQUANTIZE_ROWS, linear_into, packed_linear
 from services.worker.setup.cpu_features import detect as detect_cpu
 
-# Float weights without a packed GEMM: rows up to which the native GEMV beats torch's GEMM. Measured on a 2-core AVX2
-# CPU against the torch path: bf16 1.7x at 8 requests, 1.4x at 16, 0.9x at 24; float32 1.2x at 24.
+# Float weights without a packed GEMM: rows up to which the native GEMV beats torch's GEMM. The GEMV reads each weight
+# from memory once per step for all its rows (the other rows find it in L1), so it leads while a step is bound by
+# reading the weights; as rows grow the multiply-adds dominate and torch's blocked GEMM overtakes it (bfloat16 weights
+# sooner than float32 ones). benchmarks/worker_bench.py measures where: whole decode steps by --batch-sizes,
+# --cpu-kernels native against torch.
 NATIVE_ROWS = 16
 # bfloat16 on a CPU with bfloat16 dot products (AVX512-BF16, AMX), where torch's GEMM (oneDNN) uses them and the GEMV
-# (which widens to float32) does not. The model's layer weights, cold, on 2 cores of an AVX512-BF16 EPYC, the GEMV
-# against torch: 1.28x at 2 rows, 1.21x at 3, 1.11x at 4, 0.93x at 5, 0.72x at 8 (the LM head alone: 0.89x at 4).
+# (which widens to float32) does not, so the GEMM overtakes the GEMV within a few rows. The count follows the layers'
+# products, most of a step (the LM head's wide product alone crosses sooner); the same benchmark with --dtype bfloat16
+# measures it on such a CPU.
 # Only where torch cannot reorder the weights for oneDNN (cpu_kernels.onednn_gemm), which then takes every row count.
 BF16_UNITS_NATIVE_ROWS = 4
 
@@ -133,7 +138,7 @@ class NativeCpuPath:
             return
         if module.gemm is not None and out.dtype == module.gemm.dtype:  # a GEMM on the weight packed at load
             # Accumulating, the product is rounded before the add (as torch's path): MKL's own
-            # accumulation into out rounds differently in ~40% of the elements.
+            # accumulation into out would round differently from torch's path.
             product = self.spare(rows, module.gemm.n) if accumulate else out
             module.gemm.into(x, product, module.bias)
             if accumulate:
@@ -144,7 +149,8 @@ class NativeCpuPath:
 
     def packed_gemv(self, module, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> bool:
         """One row through the quantized linear with the call's constant arguments prepared once per
-        weight (``linear_into`` spends ~4 us of Python per call re-deriving them, ~5% of a batch-1 step);
+        weight (``linear_into`` re-derives them in Python on every call, a cost that shows at batch 1, where the
+        products are short: ``benchmarks/worker_bench.py --quantization gguf --batch-sizes 1``);
         False when the weight is not in the kernels' tiled layout. Threads: set once per step."""
         packed = module.packed
         cached = self._packed_calls.get(module)

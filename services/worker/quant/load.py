@@ -30,8 +30,8 @@ def quantize_loaded(model: nn.Module, quantization: str) -> None:
     modules = [m for m in model.modules() if isinstance(m, Linear | Embedding)]
     install_int8(model, modules)
     # On the int8 GEMM (matmul.INT8_GEMM_ROWS) every activation row takes a second int8 term for its rounding error:
-    # with one scale per row the inputs' outlier channels cost top-1 agreement with float32 (17 chat
-    # prompts, 544 greedy tokens: 89.9% and a token at rank 5; the down projection alone in two terms
-    # 90-92%; all of them 95.4%, max rank 3; the native kernel's blocks of 32 give 96.3%).
+    # with one scale per row the inputs' outlier channels cost top-1 agreement with float32. No single projection
+    # accounts for it: a second term on the down projection alone recovers little, on all of them most of the gap
+    # to the native kernel, whose blocks of 32 share a scale among fewer channels.
     for module in modules:
         module.packed.activation_terms = 2

@@ -3,17 +3,18 @@ dequantized per call.
 
 - int8 weights through oneDNN's int8 GEMM (``torch._int_mm``), from ``INT8_GEMM_ROWS`` rows: each
   row of x is quantized to int8 in two terms (the row with one scale, then what that rounding lost,
-  the same way: one scale per row alone lost 6 of 100 top-1 tokens against float32 to the inputs'
-  outlier channels; the second term costs ~30% of a batch-64 step) and the GEMM multiplies both with
-  the weight as stored, row by row ([N, K], read transposed). The int32 sums are scaled by the row's
-  and the channel's scales. Where it starts is the CPU's (``CpuFeatures.int8_gemm_rows``): with
-  AMX-INT8 at one row (whole decode steps of the default model, one thread, one term, against the
-  native kernel: 1.5x at batch 1, 2.6x at 64), so only the stored rows are kept. With AVX-512 VNNI
-  but no AMX (an EPYC, 2 threads) the native kernel is 2x the GEMM at batch 1 and about even at 16,
-  the GEMM 1.1x the native kernel at 24 and 1.25x at 64: models keep both layouts there (the int8
-  weights twice, as much memory as bfloat16 weights) and steps of 24 rows or more take the GEMM. On
-  AVX2 alone oneDNN emulates the dot products (0.36x the native kernel at batch 1): int8 keeps to
-  the native kernel like the GGUF formats.
+  the same way: with one scale per row alone the inputs' outlier channels cost top-1 agreement with
+  float32, see ``quant.load``; the second term doubles the GEMM's rows, a real share of a large step
+  that this accuracy is worth) and the GEMM multiplies both with the weight as stored, row by row
+  ([N, K], read transposed). The int32 sums are scaled by the row's and the channel's scales. Where
+  it starts is the CPU's (``CpuFeatures.int8_gemm_rows``): with AMX-INT8 at one row (the AMX tiles
+  beat the native kernel on whole decode steps at every batch size), so only the stored rows are
+  kept. With AVX-512 VNNI but no AMX the native kernel leads at small batches and the GEMM from
+  about 24 rows: models keep both layouts there (the int8 weights twice, as much memory as bfloat16
+  weights) and steps of 24 rows or more take the GEMM. On AVX2 alone oneDNN emulates the dot
+  products, slower than the native kernel even at batch 1: int8 keeps to the native kernel like the
+  GGUF formats. ``benchmarks/worker_bench.py --quantization int8`` times whole int8 decode steps by
+  batch size on whichever path the CPU takes.
 - ``quant_kernels.c`` does y = x W^T with integer dot products over the packed bytes in their tiled
   layout (``formats.tile``: models tile their weights once at load, ``kernel_layout``; an untiled
   weight is tiled per call here), x quantized per block of 32 as ggml does.
@@ -34,9 +35,9 @@ from services.worker.cpu_kernels.library import DTYPE_CODES, NativeKernelsUnavai
 from services.worker.quant.formats import FORMAT_CODES, PackedWeight, dequantize, reference_int8_gemm, tile, untile
 from services.worker.setup.cpu_features import detect
 
-# Rows from which a float32 GEMM over a per-call dequantized copy beats the integer kernel. Whole
-# int8 decode steps on 2 cores (tiled kernel): native 1.6x faster at 64 rows and faster at 96, the
-# dequantized GEMM 2-3x faster at 128.
+# Rows from which a float32 GEMM over a per-call dequantized copy beats the integer kernel: dequantizing costs the
+# same at any row count, so it pays only once the rows are enough for torch's compute-bound GEMM to outrun the integer
+# kernel by more than that. benchmarks/quant_bench.py times both per product across --rows.
 DEQUANTIZE_ROWS = 100
 
 

@@ -89,8 +89,9 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         if all(r.plain_greedy for r in requests):
             # Hot path: one argmax over the batch. On CUDA it reads bf16 as is; on the CPU the
-            # native kernel takes float32 rows (upcasting bf16 first is ~3x faster than torch's
-            # bf16 argmax, and the native argmax ~8x faster than torch's float32 one).
+            # native kernel takes float32 rows (torch's CPU argmax is slower on bf16 than an upcast
+            # and its float32 one, and the native argmax beats both; benchmarks/sampling_bench.py's
+            # greedy case times the upcast and torch's argmax: its Sampler has no native kernels).
             if logits.device.type == "cpu":
                 logits = logits.float()
                 if self.cpu_kernels is not None:

@@ -47,7 +47,7 @@ class CpuFeatures:
     @property
     def int8_gemm_rows(self) -> int | None:
         """Rows from which int8 products take oneDNN's int8 GEMM rather than the native kernel (None:
-        never); see ``quant.matmul`` for the measurements."""
+        never); see ``quant.matmul`` for why."""
         if self.amx_int8:
             return 1
         return 24 if self.avx512_vnni else None

@@ -2,7 +2,7 @@
 
 transformers' GGUF reader parses the whole file's metadata (for SmolLM2, ~440k
 fields of tokenizer vocabulary) in Python each time the config, the tokenizer or
-the weights are read: three passes and ~30 s of a 135M model's start. The first
+the weights are read: three passes, which dominate a small model's start. The first
 start writes what they produce (config.json, the tokenizer's files, the
 dequantized weights as safetensors) under ``$KVGRID_CACHE_DIR/models``, keyed by
 the GGUF file's path, size and modification time; later starts read that
