@@ -1,6 +1,6 @@
 """Paged attention on CUDA: Triton kernel vs. the torch backend, as memory bandwidth.
 
-    python -m benchmarks.attention_bench [--batch 64] [--context 2048] [--shape llama-8b] [--json out.json]
+    python -m benchmarks.attention_bench [--batch 64] [--context 2048] [--shape llama-8b] [--json OUT]
 
 Decode attention is bound by reading the KV cache, so the figure of merit is achieved bandwidth
 (bytes of K, V, queries, outputs and block tables per second) as a fraction of the GPU's peak:
@@ -8,17 +8,19 @@ the nominal datasheet figure where the GPU is known, and always a measured devic
 A second scenario mixes prefill chunks with decodes in one step; a third is a small batch over a
 long context, where split-KV (flash decoding, ``num_splits``) should pay off if it ever does.
 Decode scenarios also time PyTorch's fused SDPA over the same K/V stored contiguously.
-Without CUDA it says so and exits 0.
+Writes JSON to ``benchmarks/results/attention_bench.json`` (or ``--json``). Without CUDA it says so
+and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict, dataclass
 
 import torch
+
+from benchmarks.results import save
 
 # (num_heads, num_kv_heads, head_dim)
 SHAPES = {"llama-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64), "llama-70b-tp8": (8, 1, 128)}
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tile-n", type=int, nargs="+", default=[32, 64], help="keys per kernel iteration")
     parser.add_argument("--num-splits", type=int, nargs="+", default=[1, 4], help="split-KV ranges")
     parser.add_argument("--long-context", type=int, default=16384, help="context of the small-batch scenario")
-    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--json", default="", help="write the JSON here (default: benchmarks/results/)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("attention_bench needs a CUDA GPU (the Triton kernels run natively only there); skipping.")
@@ -194,9 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         of_peak = f"{r.fraction_of_nominal:8.1%}" if r.fraction_of_nominal is not None else f"{'-':>8}"
         print(f"{r.scenario:32} {r.impl:26} {r.ms:8.3f} {r.gb_per_s:8.0f} {of_peak} {r.fraction_of_copy:8.1%}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": name, "args": vars(args), "results": [asdict(r) for r in results]}, f, indent=1)
+    save("attention_bench", {"device": name, "args": vars(args), "results": [asdict(r) for r in results]}, args.json)
     return 0
 
 

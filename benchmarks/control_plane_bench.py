@@ -36,6 +36,7 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks.results import save
 from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.common.default_model import default_model_path
 
@@ -344,13 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--code-path", default="", help="run scheduler and frontends from this checkout")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "control_plane.jsonl"))
+    parser.add_argument("--out", default="", help="write the JSON here (default: benchmarks/results/)")
     args = parser.parse_args(argv)
     args.max_num_seqs = max(args.concurrency, 128)
     result = asyncio.run(measure(args))
-    pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-        f.write(json.dumps(result) + "\n")
+    save(f"control_plane_bench_c{args.concurrency}_f{args.frontends}", result, args.out or None)
     if args.json:
         print(json.dumps(result))
     else:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import pathlib
 import re
 import statistics
@@ -29,11 +27,11 @@ import time
 from openai import AsyncOpenAI
 
 from benchmarks.control_plane_bench import _free_ports as free_ports
+from benchmarks.results import save
 from kvgrid.cli.bench import RequestResult, make_prompts, run_one, summarize
 from kvgrid.v1 import generate_pb2, generate_pb2_grpc
 from services.common.server import insecure_channel
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "http_vs_grpc_bench.json")
 SERVE_ARGS = ["--dtype", "float32", "--kv-cache-memory", "512MiB", "--max-model-len", "1024"]
 
 
@@ -169,9 +167,7 @@ def main() -> None:
             + " | ".join(f"{s[k]:.3g}" for k in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms"))
             + " |"
         )
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump(out, f, indent=2)
+    save("http_vs_grpc_bench", out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import socket
@@ -33,9 +32,9 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from benchmarks.results import save  # noqa: E402
 from kvgrid import LLM, SamplingParams  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "kv_tiers_bench.json")
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0)
 
 
@@ -122,7 +121,7 @@ def main() -> None:
     parser.add_argument("--turn-len", type=int, default=32)
     parser.add_argument("--host-memory", default="2GiB")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--out", default="", help="write the JSON here (default: benchmarks/results/)")
     args = parser.parse_args()
     args.block_bytes = 0
 
@@ -132,9 +131,7 @@ def main() -> None:
     finally:
         redis_process.terminate()
         redis_process.wait(10)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    save("kv_tiers_bench", results, args.out or None)
     print(json.dumps(results["summary"], indent=2))
 
 
@@ -175,7 +172,7 @@ def run_all(args: argparse.Namespace, redis_url: str) -> dict:
         "users": args.users,
         "turns": args.turns,
     }
-    return {"summary": summary, "sides": per_side, "machine": platform.platform(), "cpus": os.cpu_count()}
+    return {"summary": summary, "sides": per_side}
 
 
 def _counters(llm: LLM) -> dict:

@@ -17,23 +17,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from benchmarks.results import save  # noqa: E402
 from kvgrid import LLM, SamplingParams  # noqa: E402
 from kvgrid.cli import bench as serving_bench  # noqa: E402
 from kvgrid.cli.serve import is_serving  # noqa: E402
 from services.common.default_model import default_model_path  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "offline_bench.json")
 READY_TIMEOUT_S = 600
 PORT_FLAGS = ("--tokenizer-port", "--http-port", "--scheduler-port", "--scheduler-metrics-port", "--worker-port")
 PORT_FLAGS += ("--worker-metrics-port",)
@@ -141,8 +140,7 @@ def main() -> None:
     vocab_size = core.handshake.vocab_size
     dtype_name = core.handshake.dtype
     run_offline(llm, workload(args, 999, vocab_size)[:8], 16)  # warm-up
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    process, addr = start_stack(args, RESULTS.replace(".json", "_serve.log"))
+    process, addr = start_stack(args, os.path.join(tempfile.mkdtemp(prefix="kvgrid-offline-bench-"), "serve.log"))
     samples: dict[str, list[float]] = {"offline": [], "stack": []}
     try:
         run_stack(addr, args, 999, 8, 16)  # warm-up
@@ -168,25 +166,19 @@ def main() -> None:
         if side in median:
             print(f"| {label} | {median[side]:.1f} | {median[side] / median['offline']:.2f}x |")
     print(f"\nstack / offline = {overhead:.3f} (the split's cost: {100 * (1 - overhead):.1f}% of offline throughput)")
-    with open(RESULTS, "w") as f:
-        json.dump(
-            {
-                "benchmark": "offline_vs_stack",
-                "num_requests": args.num_requests,
-                "input_len": args.input_len,
-                "output_len": args.output_len,
-                "dtype": dtype_name,
-                "rounds": args.rounds,
-                "machine": platform.processor() or platform.machine(),
-                "cpus": os.cpu_count(),
-                "samples_output_tok_s": samples,
-                "median_output_tok_s": median,
-                "stack_over_offline": overhead,
-            },
-            f,
-            indent=2,
-        )
-    print(f"wrote {RESULTS}")
+    save(
+        "offline_bench",
+        {
+            "num_requests": args.num_requests,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "dtype": dtype_name,
+            "rounds": args.rounds,
+            "samples_output_tok_s": samples,
+            "median_output_tok_s": median,
+            "stack_over_offline": overhead,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -16,19 +16,17 @@ that other processes on a shared machine do not count.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.results import save
 from services.worker.cpu_kernels.library import QUANT_PATHS, select_quant_path
 from services.worker.quant import formats
 from services.worker.quant.matmul import dequantize_rows, linear_into
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "quant_bench.json")
 SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "logits": (49152, 576)}
 
 
@@ -95,13 +93,7 @@ def main() -> None:
             cells = [f"{med[s]:.0f}" + ("" if s == "float32" else f" ({base / med[s]:.2f}x)") for s in sides]
             print(f"| {name} {SHAPES[name]} | {rows} | " + " | ".join(cells) + " |")
             results.append({"matrix": name, "shape": SHAPES[name], "rows": rows, "us": med})
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump(
-            {"benchmark": "quant_linear", "threads": args.threads, "rounds": args.rounds, "paths": paths,
-             "results": results}, f,
-        )  # fmt: skip
-    print(f"\nwrote {RESULTS}")
+    save("quant_bench", {"threads": args.threads, "rounds": args.rounds, "paths": paths, "results": results})
 
 
 if __name__ == "__main__":

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from benchmarks.results import save  # noqa: E402
 from kvgrid.cli.bench import percentile, run_one  # noqa: E402
 from kvgrid.v1 import generate_pb2_grpc  # noqa: E402
 from services.common.server import insecure_channel  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).parent / "results" / "routing_bench.json"
 MODEL_SHAPE = dict(
     hidden_size=256,
     intermediate_size=512,
@@ -181,8 +181,7 @@ def main() -> None:
         "ttft_p99_ratio": round(ca["ttft_p99_ms"] / rr["ttft_p99_ms"], 3),
     }
     print("cache-aware / round-robin:", json.dumps(ratios))
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"args": vars(args), "phases": results, "ratios": ratios}, indent=2) + "\n")
+    save("routing_bench", {"args": vars(args), "phases": results, "ratios": ratios})
 
 
 def write_model(path: str) -> str:

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import pathlib
 import platform
 import statistics
 import sys
 import time
 
+from benchmarks.results import save
 from kvgrid.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config import CacheConfig, Config, ModelConfig, NetworkConfig, SchedulerConfig
 from services.common.server import bind, new_server
@@ -35,7 +34,6 @@ from services.scheduler.request import Request, StopConditions
 from services.scheduler.scheduler import Scheduler, SchedulerLimits
 from services.scheduler.server import start
 
-RESULTS = pathlib.Path(__file__).parent / "results" / "scheduler_bench.json"
 BLOCK_SIZE = 16
 PROMPT_LEN = 200
 SYSTEM_PROMPT = list(range(1000, 1128))  # shared by every request: 8 full blocks to hit
@@ -215,9 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{service['ms_per_step']:.2f} ms per step, {service['tokens_per_second']:.0f} tokens/s"
         )
         report["service"] = service
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    save("scheduler_bench", report)
     return 0
 
 

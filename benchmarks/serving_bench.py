@@ -16,7 +16,7 @@ for the cores (the stack idles while the others run):
 Each shape runs ``--rounds`` times on every side, the sides taking turns in an order that rotates
 each round. Prints the median output tokens/s per side and the median of the rounds' ratios
 stack/worker and stack/HF; JSON (every round too) to
-``benchmarks/results/serving_bench_<quantization>.json``. On a shared machine absolute numbers
+``benchmarks/results/serving_bench_<dtype>_<quantization>.json``. On a shared machine absolute numbers
 drift (Hugging Face's static batches by a third between runs): compare ratios of one run.
 """
 
@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import platform
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -42,12 +40,12 @@ os.environ.update(worker_arrangement(0, len(os.sched_getaffinity(0)), os.environ
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.results import save  # noqa: E402
 from benchmarks.serving_sides import Shape, add_arguments, run_hf, run_stack, run_worker, shapes, warm_up  # noqa: E402
 from kvgrid.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
 from services.common import config as cfg  # noqa: E402
 from services.common.default_model import default_model_path  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "serving_bench_{quantization}.json")
 Side = Callable[[Shape], tuple[int, float]]  # one workload -> (output tokens, seconds)
 
 
@@ -145,15 +143,7 @@ def main() -> None:
         print(f"| {name} | {s:.1f} | {w:.1f} | {hf_cells[0]} | {vs_worker:.2f}x | {hf_cells[1]} |")
         rows.append({"shape": name, "stack_tok_s": s, "worker_tok_s": w, "hf_tok_s": h, "rounds": rates})
         rows[-1].update(stack_over_worker=vs_worker, stack_over_hf=vs_hf)
-    path = RESULTS.format(quantization=args.quantization)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(
-            {"benchmark": "serving", "args": vars(args), "torch": torch.__version__,
-             "machine": platform.processor() or platform.machine(), "results": rows},
-            f, indent=2,
-        )  # fmt: skip
-    print(f"\nwrote {path}")
+    save(f"serving_bench_{args.dtype}_{args.quantization}", {"args": vars(args), "results": rows})
 
 
 if __name__ == "__main__":

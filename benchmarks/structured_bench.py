@@ -24,6 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from benchmarks.results import save  # noqa: E402
 from kvgrid.v1 import common_pb2  # noqa: E402
 from services.common.default_model import default_model_path  # noqa: E402
 from services.worker.request_state import RequestState  # noqa: E402
@@ -32,7 +33,6 @@ from services.worker.sampling.structured import GrammarCache  # noqa: E402
 from services.worker.setup.build import create_runner, load_model  # noqa: E402
 from services.worker.setup.loader import load_tokenizer, tokenizer_files  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "structured_bench.json")
 BLOCK_SIZE = 16
 PROMPT_LEN = 64
 # Deep enough that a random walk inside it does not finish within the timed steps.
@@ -135,9 +135,7 @@ def main() -> None:
     for shape in results:
         print(f"| {shape} | {summary[f'{shape}_step_ms']:.2f} | {summary[f'{shape}_sampler_ms']:.3f} |")
     print(f"step time with constrained companions / with plain ones: {summary['step_ratio']:.3f}")
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump(summary, f, indent=2)
+    save("structured_bench", summary)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,7 @@ Prints a markdown table and writes JSON to ``benchmarks/results/tp_bench_<device
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import tempfile
 
@@ -25,11 +23,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from benchmarks.results import save  # noqa: E402
 from benchmarks.worker_bench import kvgrid_decode  # noqa: E402
 from services.common.config import build_config  # noqa: E402
 from services.worker.core import WorkerCore, build_core  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "tp_bench_{device}.json")
 
 
 def save_smollm_shaped(path: str) -> str:
@@ -94,11 +91,7 @@ def main() -> None:
     for name, per in medians.items():
         cells = [f"{per[b]:.1f} ({per[b] / medians[base][b]:.2f}x)" for b in batches]
         print(f"| {name} | {' | '.join(cells)} |")
-    out = RESULTS.format(device=args.device)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"args": vars(args), "machine": platform.processor() or platform.machine(), "tok_s": medians}, f)
-    print(f"wrote {out}")
+    save(f"tp_bench_{args.device}", {"args": vars(args), "tok_s": medians})
 
 
 if __name__ == "__main__":

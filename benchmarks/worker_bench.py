@@ -23,9 +23,7 @@ Prints a markdown table and writes JSON to
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
 
@@ -33,13 +31,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from benchmarks.results import save  # noqa: E402
 from kvgrid.v1 import common_pb2  # noqa: E402
 from services.common.default_model import default_model_path  # noqa: E402
 from services.worker.request_state import RequestState  # noqa: E402
 from services.worker.sampling.request_sampling import RequestSampling  # noqa: E402
 from services.worker.setup.build import create_runner, load_model  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results", "worker_bench_{device}_{dtype}_{quantization}.json")
 BLOCK_SIZE = 16
 
 
@@ -192,31 +190,23 @@ def main() -> None:
         cells = [f"{ours:.1f}"] + [f"{v:.1f}" if v else "-" for v in (torch_path, theirs)]
         cells.append(f"{ratio:.2f}x" if ratio else "-")
         print(f"| {b} | " + " | ".join(cells) + " |")
-    results = RESULTS.format(device=args.device, dtype=args.dtype, quantization=args.quantization)
-    os.makedirs(os.path.dirname(results), exist_ok=True)
-    with open(results, "w") as f:
-        json.dump(
-            {
-                "benchmark": "worker_decode",
-                "model": args.model or "SmolLM2-135M-Instruct Q4_1 GGUF",
-                "device": where,
-                "quantization": args.quantization,
-                "dtype": args.dtype,
-                "threads": args.threads,
-                "prompt_len": args.prompt_len,
-                "steps": args.steps,
-                "rounds": args.rounds,
-                "native_cpu_kernels": native is not None,
-                "cuda_graphs": graphs is not None,
-                "torch": torch.__version__,
-                "machine": platform.processor() or platform.machine(),
-                "results": rows,
-                "samples": {f"{side}@{b}": v for (side, b), v in samples.items()},
-            },
-            f,
-            indent=2,
-        )
-    print(f"\nwrote {results}")
+    save(
+        f"worker_bench_{args.device}_{args.dtype}_{args.quantization}",
+        {
+            "model": args.model or "SmolLM2-135M-Instruct Q4_1 GGUF",
+            "device": where,
+            "quantization": args.quantization,
+            "dtype": args.dtype,
+            "threads": args.threads,
+            "prompt_len": args.prompt_len,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "native_cpu_kernels": native is not None,
+            "cuda_graphs": graphs is not None,
+            "results": rows,
+            "samples": {f"{side}@{b}": v for (side, b), v in samples.items()},
+        },
+    )
 
 
 if __name__ == "__main__":
