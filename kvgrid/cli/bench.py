@@ -24,9 +24,15 @@ from dataclasses import dataclass, field
 import grpc
 from tqdm import tqdm
 
-from kvgrid.cli.generate import add_connection_arguments, closed_stdout, describe_error
+from kvgrid.cli.connect import (
+    add_connection_arguments,
+    bad_connection_arguments,
+    describe_error,
+    metadata,
+    open_aio_channel,
+)
+from kvgrid.cli.generate import closed_stdout
 from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from services.common.server import insecure_channel
 
 # Low ids are special tokens in most vocabularies; random prompts stay above them.
 FIRST_PLAIN_TOKEN_ID = 256
@@ -111,13 +117,13 @@ def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[i
     ]
 
 
-async def run_one(stub, prompt: list[int], max_tokens: int, timeout: float | None) -> RequestResult:
+async def run_one(stub, prompt: list[int], max_tokens: int, timeout: float | None, call_metadata=()) -> RequestResult:
     sampling = common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     request = generate_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)
     result = RequestResult(prompt_tokens=len(prompt))
     start = last = time.perf_counter()
     try:
-        async for response in stub.Generate(request, timeout=timeout):
+        async for response in stub.Generate(request, timeout=timeout, metadata=call_metadata):
             now = time.perf_counter()
             n = len(response.token_ids)
             if n and result.output_tokens == 0:
@@ -136,16 +142,17 @@ async def run_one(stub, prompt: list[int], max_tokens: int, timeout: float | Non
 
 
 async def run(args: argparse.Namespace) -> dict:
-    async with insecure_channel(args.addr) as channel:
+    call_metadata = metadata(args)
+    async with open_aio_channel(args) as channel:
         stub = generate_pb2_grpc.TextGenerationStub(channel)
-        info = await stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10)
+        info = await stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=10, metadata=call_metadata)
         prompts = make_prompts(args, info.vocab_size)
         limit = asyncio.Semaphore(args.concurrency)
         bar = tqdm(total=len(prompts), desc="requests", unit="req", file=sys.stderr, disable=progress_disabled(args))
 
         async def bounded(prompt: list[int], max_tokens: int) -> RequestResult:
             async with limit:
-                result = await run_one(stub, prompt, max_tokens, args.timeout)
+                result = await run_one(stub, prompt, max_tokens, args.timeout, call_metadata)
             bar.update(1)
             return result
 
@@ -203,6 +210,9 @@ def main(argv: list[str]) -> int:
         for line in problems:
             print(f"kvgrid bench: {line}", file=sys.stderr)
         return 2
+    bad = bad_connection_arguments("bench", args)
+    if bad is not None:
+        return bad
     try:
         summary = asyncio.run(run(args))
     except grpc.aio.AioRpcError as err:

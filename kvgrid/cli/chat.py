@@ -12,13 +12,14 @@ import sys
 
 import grpc
 
-from kvgrid.cli.generate import (
+from kvgrid.cli.connect import (
     add_connection_arguments,
-    add_sampling_arguments,
-    closed_stdout,
+    bad_connection_arguments,
     describe_error,
-    sampling_from_args,
+    metadata,
+    open_channel,
 )
+from kvgrid.cli.generate import add_sampling_arguments, closed_stdout, sampling_from_args
 from kvgrid.v1 import generate_pb2, generate_pb2_grpc
 
 EXIT_COMMANDS = ("/exit", "/quit")
@@ -49,7 +50,7 @@ class Conversation:
 def reply(stub, conversation: Conversation, args: argparse.Namespace, out) -> str:
     """Stream the assistant's answer to `out` and return it; Ctrl-C keeps what arrived so far."""
     request = generate_pb2.ChatRequest(messages=conversation.messages, sampling=sampling_from_args(args))
-    call = stub.Chat(request, timeout=args.timeout)
+    call = stub.Chat(request, timeout=args.timeout, metadata=metadata(args))
     parts: list[str] = []
     try:
         for response in call:
@@ -73,6 +74,9 @@ def read_line(interactive: bool) -> str | None:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    bad = bad_connection_arguments("chat", args)
+    if bad is not None:
+        return bad
     try:
         return run(args)
     except BrokenPipeError:  # `kvgrid chat < questions.txt | head`
@@ -84,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     conversation = Conversation(args.system)
     if interactive:
         print(f"kvgrid chat with {args.addr}; {HELP}")
-    with grpc.insecure_channel(args.addr) as channel:
+    with open_channel(args) as channel:
         stub = generate_pb2_grpc.TextGenerationStub(channel)
         while True:
             try:
@@ -112,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
                 if interactive:
                     print()
                 print(f"kvgrid chat: {describe_error(err, args.addr)}", file=sys.stderr)
-                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED):
                     return 1
                 continue
             conversation.add("assistant", answer)

@@ -15,10 +15,17 @@ from collections.abc import Iterator
 import grpc
 from google.protobuf import json_format
 
+from kvgrid.cli.connect import (  # noqa: F401 - chat and bench take them from here too
+    ADDR_ENV,
+    DEFAULT_ADDR,
+    add_connection_arguments,
+    bad_connection_arguments,
+    describe_error,
+    metadata,
+    open_channel,
+)
 from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
-DEFAULT_ADDR = "localhost:50051"
-ADDR_ENV = "KVGRID_ADDR"
 # What a shell reports for a command killed by SIGPIPE (128 + 13), as `seq 1000000 | head -1` does for seq.
 EXIT_CLOSED_STDOUT = 141
 
@@ -56,15 +63,6 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, max_tokens: int) -> 
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
-def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--addr",
-        default=os.environ.get(ADDR_ENV, DEFAULT_ADDR),
-        help=f"HOST:PORT of the tokenizer frontend [env {ADDR_ENV}, default {DEFAULT_ADDR}]",
-    )
-    parser.add_argument("--timeout", type=float, default=None, help="seconds before the call is abandoned")
-
-
 def sampling_from_args(args: argparse.Namespace) -> common_pb2.SamplingParams:
     params = common_pb2.SamplingParams(
         max_tokens=args.max_tokens,
@@ -80,22 +78,12 @@ def sampling_from_args(args: argparse.Namespace) -> common_pb2.SamplingParams:
     return params
 
 
-def describe_error(err: grpc.RpcError, addr: str) -> str:
-    """One line for a failed call; an unreachable server gets a hint instead of gRPC's details."""
-    code = err.code()
-    if code == grpc.StatusCode.UNAVAILABLE and ("connect" in (err.details() or "").lower()):
-        return f"cannot reach a kvgrid server at {addr} (is `kvgrid serve` running? pass --addr HOST:PORT)"
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return f"no answer from {addr} in time"
-    return f"{code.name}: {err.details()}"
-
-
 def stream_calls(
-    stub: generate_pb2_grpc.TextGenerationStub, request, timeout: float | None
+    stub: generate_pb2_grpc.TextGenerationStub, request, timeout: float | None, call_metadata=()
 ) -> Iterator[generate_pb2.GenerateResponse]:
     """Responses of a Generate or Chat call; cancels the call if the consumer stops early."""
     method = stub.Chat if isinstance(request, generate_pb2.ChatRequest) else stub.Generate
-    call = method(request, timeout=timeout)
+    call = method(request, timeout=timeout, metadata=call_metadata)
     try:
         yield from call
     finally:
@@ -132,13 +120,14 @@ def no_chat_template(err: grpc.RpcError) -> bool:
 class Printer:
     """Writes streamed messages as text (or JSON lines) and remembers how the stream ended."""
 
-    def __init__(self, as_json: bool):
+    def __init__(self, as_json: bool, call_metadata=()):
         self.as_json = as_json
+        self.metadata = call_metadata
         self.wrote = False
         self.finish = ""
 
     def run(self, stub, request, timeout: float | None) -> None:
-        for response in stream_calls(stub, request, timeout):
+        for response in stream_calls(stub, request, timeout, self.metadata):
             if self.as_json:
                 print(json.dumps(json_format.MessageToDict(response)), flush=True)
             else:
@@ -150,6 +139,9 @@ class Printer:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    bad = bad_connection_arguments("generate", args)
+    if bad is not None:
+        return bad
     try:
         return run(args)
     except BrokenPipeError:
@@ -159,8 +151,8 @@ def main(argv: list[str]) -> int:
 def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     request = build_request(args, prompt)
-    printer = Printer(args.json)
-    with grpc.insecure_channel(args.addr) as channel:
+    printer = Printer(args.json, metadata(args))
+    with open_channel(args) as channel:
         stub = generate_pb2_grpc.TextGenerationStub(channel)
         try:
             try:

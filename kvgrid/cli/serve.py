@@ -10,6 +10,11 @@ code 1, as does any child dying during start-up. Ctrl-C or SIGTERM drains in
 order: the frontend first (its streams finish within --shutdown-grace), then the
 scheduler, then the worker.
 
+Only the frontend's ports face the network (`--host`): the scheduler, the worker and
+their metrics listen on 127.0.0.1, since on one machine only the frontend calls them.
+Secrets (`--api-key`) reach the frontend in its environment, never on a command line,
+where `ps` would show them to every user of the machine.
+
 On a small machine the three services share the cores, and the worker's OpenMP team
 (one thread per core) loses a core whenever the frontend or scheduler wakes. The
 native kernels hand work out dynamically, so a thread that loses its core delays
@@ -32,16 +37,17 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from kvgrid.cli.probes import INTERNAL_SERVICES, PUBLIC_SERVICE, is_serving, readiness_probe
 from services.common import config as cfg
 
 # Order of start-up and of the summary; shutdown runs in reverse (frontend first).
 SERVICE_ORDER = ("worker", "scheduler", "tokenizer")
+# The services only the frontend calls (INTERNAL_SERVICES) listen on loopback, whatever --host is.
+INTERNAL_HOST = "127.0.0.1"
+INTERNAL_PORTS = ("scheduler_port", "scheduler_metrics_port", "worker_port", "worker_metrics_port")
 # Beyond its --shutdown-grace, how long a stopping child may take to close before it is killed.
 STOP_MARGIN_SECONDS = 10.0
 POLL_SECONDS = 0.5
@@ -106,6 +112,8 @@ class Child:
     # When a crashed child is due to start again (monotonic seconds); None while it runs.
     restart_at: float | None = None
     env: dict[str, str] | None = None  # added to serve's own environment
+    # Whether the child reports SERVING (default: the plaintext gRPC health check of grpc_addr).
+    probe: Callable[[], bool] | None = None
 
 
 def _say(text: str) -> None:
@@ -122,57 +130,107 @@ def dial_host(host: str) -> str:
 
 
 def child_config(config: cfg.Config) -> cfg.Config:
-    """The configuration handed to the children: internal addresses follow the ports serve binds."""
+    """The configuration handed to the children: internal addresses follow the ports serve binds, on loopback."""
     net = config.network
-    host = dial_host(net.host)
     network = dataclasses.replace(
         net,
-        scheduler_addr=f"{host}:{net.scheduler_port}",
+        scheduler_addr=f"{INTERNAL_HOST}:{net.scheduler_port}",
         scheduler_addrs="",  # the local tokenizer routes to the local scheduler only
-        worker_addr=f"{host}:{net.worker_port}",
+        worker_addr=f"{INTERNAL_HOST}:{net.worker_port}",
     )
     return dataclasses.replace(config, network=network)
 
 
-def service_argv(name: str, config: cfg.Config) -> list[str]:
-    """`python -m kvgrid.cli NAME --flag value ...` with the flags of the sections NAME parses."""
+def service_config(name: str, config: cfg.Config) -> cfg.Config:
+    """What service ``name`` runs with: the scheduler and the worker (and their metrics) bind loopback only."""
+    if name not in INTERNAL_SERVICES:
+        return config
+    return dataclasses.replace(config, network=dataclasses.replace(config.network, host=INTERNAL_HOST))
+
+
+def _sections(name: str):
     from kvgrid.cli import SERVICES
 
-    _, sections, _ = SERVICES[name]
+    return SERVICES[name][1]
+
+
+def _attr(section) -> str:
+    return section.__name__.removesuffix("Config").lower()
+
+
+def _secret_fields(section) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(section) if f.metadata.get("secret")]
+
+
+def service_argv(name: str, config: cfg.Config) -> list[str]:
+    """`python -m kvgrid.cli NAME --flag value ...` with the flags of the sections NAME parses, secrets left out
+    (see ``service_env``)."""
     argv = [sys.executable, "-m", "kvgrid.cli", name]
-    for section in sections:
-        argv += cfg.to_flags(getattr(config, section.__name__.removesuffix("Config").lower()))
+    config = service_config(name, config)
+    for section in _sections(name):
+        secret = {"--" + f.name.replace("_", "-") for f in _secret_fields(section)}
+        flags = iter(cfg.to_flags(getattr(config, _attr(section))))
+        for flag in flags:
+            if flag in secret:
+                next(flags)  # and its value
+            else:
+                argv.append(flag)
     return argv
+
+
+def service_env(name: str, config: cfg.Config, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The secrets service ``name`` gets, as ``KVGRID_*`` variables added to serve's environment: API keys go to
+    the frontend alone (the others get an inherited variable emptied)."""
+    env = {}
+    for section in _sections(name):
+        for f in _secret_fields(section):
+            value = getattr(getattr(config, _attr(section)), f.name) if name == PUBLIC_SERVICE else ""
+            if value or cfg.env_name(f.name) in environ:
+                env[cfg.env_name(f.name)] = value
+    return env
 
 
 def build_children(config: cfg.Config) -> list[Child]:
     net = config.network
-    host = dial_host(net.host)
-    ports = {"worker": net.worker_port, "scheduler": net.scheduler_port, "tokenizer": net.tokenizer_port}
-    return [Child(name, service_argv(name, config), f"{host}:{ports[name]}") for name in SERVICE_ORDER]
+    public = f"{dial_host(net.host)}:{net.tokenizer_port}"
+    addrs = {
+        "worker": f"{INTERNAL_HOST}:{net.worker_port}",
+        "scheduler": f"{INTERNAL_HOST}:{net.scheduler_port}",
+        "tokenizer": public,
+    }
+    children = []
+    for name in SERVICE_ORDER:
+        child = Child(name, service_argv(name, config), addrs[name], env=service_env(name, config))
+        http_addr = (dial_host(net.host).strip("[]"), net.http_port)
+        child.probe = readiness_probe(name, config.security, addrs[name], http_addr)
+        children.append(child)
+    return children
 
 
 def arrange_worker_threads(config: cfg.Config, worker: Child) -> None:
     """The worker's OpenMP arrangement for this machine (see kvgrid.cli.serve), logged."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    worker.env, line = worker_arrangement(config.device.num_threads, cores, os.environ)
+    env, line = worker_arrangement(config.device.num_threads, cores, os.environ)
+    worker.env = {**(worker.env or {}), **env}
     _say(line)
 
 
 def port_problems(net: cfg.NetworkConfig) -> list[str]:
-    """One line per port that is 0 (serve must know its ports) or already taken on `net.host`."""
+    """One line per port that is 0 (serve must know its ports) or already taken where it will be bound (`net.host`
+    for the frontend's, loopback for the others)."""
     problems = []
     seen: dict[int, str] = {}
     for f in dataclasses.fields(net):
         if not f.name.endswith("_port"):
             continue
         flag, port = "--" + f.name.replace("_", "-"), getattr(net, f.name)
+        host = INTERNAL_HOST if f.name in INTERNAL_PORTS else net.host
         if port == 0:
             problems.append(f"{flag} 0 is not allowed here: `kvgrid serve` needs fixed ports")
         elif port in seen:
             problems.append(f"{flag} {port} is also given to {seen[port]}")
-        elif not _port_free(net.host, port):
-            problems.append(f"port {port} ({flag}) is already in use on {net.host}; free it or pass {flag} PORT")
+        elif not _port_free(host, port):
+            problems.append(f"port {port} ({flag}) is already in use on {host}; free it or pass {flag} PORT")
         seen.setdefault(port, flag)
     return problems
 
@@ -204,13 +262,8 @@ def start(child: Child) -> None:
     child.process = subprocess.Popen(child.argv, start_new_session=True, preexec_fn=_die_with_parent, env=env)
 
 
-def is_serving(addr: str) -> bool:
-    with grpc.insecure_channel(addr) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+def child_serving(child: Child) -> bool:
+    return child.probe() if child.probe is not None else is_serving(child.grpc_addr)
 
 
 def first_exited(children: list[Child]) -> Child | None:
@@ -268,22 +321,40 @@ def _shell_path(path: str, cwd: str) -> str:
 
 
 def print_ready(config: cfg.Config, children: list[Child]) -> None:
-    net = config.network
+    net, security = config.network, config.security or cfg.SecurityConfig()
     host = dial_host(net.host)
     public = f"{host}:{net.tokenizer_port}"
+    tls = bool(security.tls_cert_file)
+    keyed = bool(security.api_key or security.api_key_file)
+    guard = ", ".join(
+        (["TLS" + (" with client certificates" if security.tls_ca_file else "")] if tls else [])
+        + (["API key required"] if keyed else ["no API key"])
+    )
+    internal = "mutual TLS" if security.internal_tls_ca else "plaintext"
     _say(f"model {config.model.name} ({config.model.dtype})")
-    _say(f"  public API   kvgrid.v1.TextGeneration  grpc://{public}  (reflection on)")
-    http = f"http://{host}:{net.http_port}"
+    _say(f"  public API   kvgrid.v1.TextGeneration  grpc{'s' if tls else ''}://{public}  ({guard}; reflection on)")
+    http = f"http{'s' if tls else ''}://{host}:{net.http_port}"
     _say(f"  OpenAI API   {http}/v1  (base URL for OpenAI clients; /tokenize, /detokenize)")
     _say(f"  HTTP         {http}/health  {http}/metrics")
-    _say(f"  scheduler    kvgrid.v1.Scheduler       grpc://{host}:{net.scheduler_port}")
-    _say(f"  worker       kvgrid.v1.Worker          grpc://{host}:{net.worker_port}")
+    for name, service, port in (("scheduler", "Scheduler", net.scheduler_port), ("worker", "Worker", net.worker_port)):
+        _say(f"  {name:<12} kvgrid.v1.{service:<16}grpc://{INTERNAL_HOST}:{port}  (loopback only; {internal})")
     pids = ", ".join(f"{c.name} pid {c.process.pid}" for c in children)
     _say(f"ready ({pids}). Try:")
-    print(f'    {kvgrid_command()} generate "What is the capital of France?" --addr {public}', flush=True)
-    print(f"    grpcurl -plaintext {public} list", flush=True)
+    ca = " --ca-file CA.pem" if tls else ""
+    if keyed:
+        print("    export KVGRID_API_KEY=...  # one of the keys given to --api-key, for the clients below", flush=True)
+    print(f'    {kvgrid_command()} generate "What is the capital of France?" --addr {public}{ca}', flush=True)
+    key_header = ' -H "authorization: Bearer $KVGRID_API_KEY"' if keyed else ""
+    print(f"    grpcurl {'-cacert CA.pem' if tls else '-plaintext'}{key_header} {public} list", flush=True)
     body = '{"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32}'
-    print(f"    curl {http}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
+    curl_key = ' -H "Authorization: Bearer $KVGRID_API_KEY"' if keyed else ""
+    curl_ca = " --cacert CA.pem" if tls else ""
+    print(
+        f"    curl{curl_ca} {http}/v1/chat/completions{curl_key} -H 'Content-Type: application/json' -d '{body}'",
+        flush=True,
+    )
+    if tls:
+        _say("CA.pem: the CA that signed --tls-cert-file")
     _say("Ctrl-C stops all three services")
 
 
@@ -313,7 +384,7 @@ def supervise(config: cfg.Config, children: list[Child], signals: _Signals) -> i
         if dead:
             _say(f"start-up failed: {_describe_exit(dead)}; see its log above")
             return 1
-        pending = [c for c in pending if not is_serving(c.grpc_addr)]
+        pending = [c for c in pending if not child_serving(c)]
         if pending and time.monotonic() - announced_wait > 15:
             _say("waiting for " + ", ".join(c.name for c in pending) + " to report SERVING")
             announced_wait = time.monotonic()
@@ -354,7 +425,11 @@ def main(config: cfg.Config) -> int:
             print(f"kvgrid serve: {line}", file=sys.stderr)
         return 1
     config = child_config(config)
-    children = build_children(config)
+    try:
+        children = build_children(config)
+    except ValueError as e:  # an unreadable certificate file
+        print(f"kvgrid serve: {e}", file=sys.stderr)
+        return 1
     arrange_worker_threads(config, children[SERVICE_ORDER.index("worker")])
     signals = _Signals()
     _say(f"starting {', '.join(SERVICE_ORDER)} (pid {os.getpid()})")

@@ -93,7 +93,9 @@ class LLM:
         self.model_name = config.model.name
         info = core.handshake
         limits = v.ModelLimits(
-            max_model_len=info.max_model_len, vocab_size=info.vocab_size or self.tokenizer.vocab_size
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size or self.tokenizer.vocab_size,
+            max_prompt_chars=config.limits.max_prompt_chars if config.limits is not None else 0,
         )
         self.front_door = FrontDoor(self.tokenizer, limits)
         self._next_id = 0

@@ -1,4 +1,5 @@
-"""gRPC server plumbing every service shares: options, health service, reflection."""
+"""gRPC server plumbing every service shares: options, health service, reflection, binding and dialing
+(plaintext, or TLS with the credentials of ``services.common.tls``)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.tls import TlsFiles, peer_credentials
 from services.common.unparsable import UnparsableRequests
 
-# Handshakes carry tokenizer files (a few MB); allow far more than gRPC's 4 MB default.
+# Handshakes carry tokenizer files (a few MB); allow far more than gRPC's 4 MB default. The public port takes
+# --max-request-bytes instead (see ``new_server``).
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -29,13 +32,27 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def new_server(interceptors=()) -> grpc.aio.Server:
-    """A server whose unparsable requests answer INVALID_ARGUMENT (see ``unparsable``)."""
-    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=[UnparsableRequests(), *interceptors])
+def new_server(interceptors=(), max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+    """A server whose unparsable requests answer INVALID_ARGUMENT (see ``unparsable``); a request larger than
+    ``max_receive_bytes`` is refused RESOURCE_EXHAUSTED before it is parsed."""
+    options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+    options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    return grpc.aio.server(options=options, interceptors=[UnparsableRequests(), *interceptors])
 
 
 def insecure_channel(addr: str, interceptors=()) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS, interceptors=list(interceptors))
+
+
+def peer_channel(addr: str, tls: TlsFiles | None, options=(), server_name: str = "") -> grpc.aio.Channel:
+    """A channel from one kvgrid service to another: mutual TLS with ``tls`` (plaintext without). ``server_name``:
+    the name the peer's certificate must hold when ``addr`` is an IP address resolved from that name."""
+    options = [*CHANNEL_OPTIONS, *options]
+    if tls is None:
+        return grpc.aio.insecure_channel(addr, options=options)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.aio.secure_channel(addr, peer_credentials(tls), options=options)
 
 
 class Health:
@@ -62,10 +79,10 @@ def add_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind host:port and return the bound port (useful with port 0 in tests)."""
+def bind(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None) -> int:
+    """Bind host:port (TLS with ``credentials``) and return the bound port (useful with port 0 in tests)."""
     addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_insecure_port(addr)
+    bound = server.add_insecure_port(addr) if credentials is None else server.add_secure_port(addr, credentials)
     if bound == 0:
         raise OSError(f"cannot bind {addr}: address in use or not available")
     return bound

@@ -3,11 +3,17 @@ a spec) and the worker (which compiles and applies it) share, so both read a spe
 
 llguidance (Rust, no torch) compiles JSON schemas, regexes, choices and Lark/GBNF grammars against the
 model's vocabulary and computes a token mask per step in microseconds. The scheduler never imports this.
+
+What one spec may cost is bounded by ``parser_limits``, the same on both sides: the frontend refuses a spec
+whose lexer does not build within ``LEXER_FUEL`` (``build_error``), and the worker's matchers run under the
+same limits, so a spec that got past no frontend still costs its own request (its matcher fails: EOS only),
+never seconds of everyone's step.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
@@ -26,6 +32,13 @@ JSON_OPTIONS: llguidance.JsonCompileOptions = {
 MAX_SPEC_CHARS = 65536
 MAX_CHOICES = 1024
 MAX_ERROR_CHARS = 400
+# llguidance's fuel for building a matcher's lexer (regex derivatives; about 50,000 a millisecond): the cost
+# lies in large counted repetitions (``a{100000}``, ``(a{1000}){1000}``, a schema ``pattern`` or length bound
+# written as one), which the library's default of 1,000,000 lets take most of a second on the step that first
+# masks them, then tens of milliseconds on every later step. Schemas with dozens of properties, formats and
+# enums of a thousand strings need well under this; per-step work keeps llguidance's own limits.
+LEXER_FUEL = 100_000
+PROBE_TOKENS = 8  # steps of a spec's check at the frontend (``build_error``)
 T = TypeVar("T")
 
 
@@ -105,10 +118,40 @@ def _choice_grammar(field: str, choices: list[str]) -> str:
     return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
 
 
+def parser_limits() -> llguidance.LLParserLimits:
+    """The resource limits of every matcher, on the frontend and the worker alike; errors name no parser state."""
+    return llguidance.LLParserLimits(initial_lexer_fuel=LEXER_FUEL, verbose_errors=False)
+
+
+def new_matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+    """A matcher under ``parser_limits``; one that cannot build is in its error state (``get_error``)."""
+    return llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+
+
 def grammar_error(grammar: str, tokenizer: llguidance.LLTokenizer | None) -> str:
     """'' when ``grammar`` compiles (against ``tokenizer``'s vocabulary when given), else the problem."""
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=parser_limits())
     return _short(messages[0]) if is_error else ""
+
+
+def build_error(grammar: str, tokenizer: llguidance.LLTokenizer, eos_token_ids: Sequence[int]) -> str:
+    """'' when a matcher of ``grammar`` builds its lexer within ``parser_limits`` along a first few tokens,
+    else llguidance's reason.
+
+    The lexer is built lazily, as masks and tokens reach its parts: this walks PROBE_TOKENS steps (mask, then
+    the lowest allowed token), as a worker's first steps would. That reaches a regex's or a string pattern's
+    cost, and a schema's when its first values are near the start; what lies deeper is bounded on the worker
+    by the same limits. Costs up to ``LEXER_FUEL`` (tens of milliseconds); llguidance drops the GIL."""
+    matcher = new_matcher(tokenizer, grammar)
+    eos_bits = sum(1 << eos for eos in set(eos_token_ids))
+    for _ in range(PROBE_TOKENS):
+        allowed = int.from_bytes(matcher.compute_bitmask(), "little") & ~eos_bits  # bit i: token i may come next
+        if not allowed or matcher.is_error():
+            break
+        matcher.consume_token((allowed & -allowed).bit_length() - 1)
+        if matcher.is_error() or matcher.is_stopped():
+            break
+    return _short(matcher.get_error().split("\n", 1)[0]) if matcher.is_error() else ""
 
 
 def build_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
@@ -132,13 +175,19 @@ class SpecCache(Generic[T]):
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._items: OrderedDict[tuple[str, str], T] = OrderedDict()
+        # The frontend checks specs in threads; ``make`` runs outside the lock (two threads may both make a
+        # value for a new key: the same value, the last one kept).
+        self._lock = threading.Lock()
 
     def get(self, key: tuple[str, str], make: Callable[[], T]) -> T:
-        value = self._items.get(key)
-        if value is None:
-            value = self._items[key] = make()
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+                return value
+        value = make()
+        with self._lock:
+            self._items[key] = value
             if len(self._items) > self.capacity:
                 self._items.popitem(last=False)
-        else:
-            self._items.move_to_end(key)
         return value

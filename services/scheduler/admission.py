@@ -1,4 +1,7 @@
-"""Checks a Submit must pass before its request may enter the queue, and the limits they use."""
+"""Checks a Submit must pass before its request may enter the queue, and the limits they use.
+
+The sampling fields go through the checks the frontend applies (``services.common.request_checks``), so a
+request sent straight to ``Scheduler.Submit`` or ``Connect`` is held to the public API's rules."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from dataclasses import dataclass
 
 from kvgrid.v1 import scheduler_pb2
 from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from services.common.request_checks import check_sampling_fields
 from services.scheduler.convert import stop_conditions_from_proto
 from services.scheduler.kv_cache_manager import cdiv
 from services.scheduler.request import Request
@@ -32,6 +36,7 @@ def admit(msg: scheduler_pb2.SubmitRequest, limits: AdmissionLimits, live: Conta
     request_id = msg.request_id or uuid.uuid4().hex
     if request_id in live:
         raise AlreadyExists(f"request_id: a live request already has id {request_id!r}")
+    check_sampling_fields(msg.sampling, limits.max_model_len, limits.vocab_size or 2**32)
     prompt = list(msg.prompt_token_ids)
     num_prompt = len(prompt)
     if not num_prompt:

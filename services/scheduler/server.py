@@ -16,6 +16,7 @@ from kvgrid.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.config import Config
 from services.common.logs import setup_logging
 from services.common.server import Health, add_reflection, bind, new_server
+from services.common.tls import describe_internal, internal_tls, server_credentials
 from services.common.tracing import setup_tracing, shutdown_tracing
 from services.scheduler.engine import Engine
 from services.scheduler.metrics import SchedulerMetrics
@@ -49,19 +50,24 @@ class SchedulerServer:
 
 
 async def start(config: Config, serve_metrics: bool = False) -> SchedulerServer:
-    """Bind ``config.network.host:scheduler_port`` (0 picks a free port), serve, and start dialing the worker."""
+    """Bind ``config.network.host:scheduler_port`` (0 picks a free port), serve, and start dialing the worker.
+    Raises OSError (port taken) or ValueError (unreadable certificate files)."""
+    credentials = server_credentials(internal_tls(config.security))
     server = new_server()
     health = Health(server, [SERVICE_NAME])
     metrics = SchedulerMetrics(config.model.name)
     engine = Engine(config, metrics, on_ready=health.set)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine), server)
     add_reflection(server, [SERVICE_NAME])
-    port = bind(server, config.network.host, config.network.scheduler_port)
+    port = bind(server, config.network.host, config.network.scheduler_port, credentials)
+    net = config.network
     if serve_metrics:
-        metrics.serve(config.network.scheduler_metrics_port, config.network.host)
+        metrics.serve(net.scheduler_metrics_port, net.host)
+        log.info("scheduler /metrics on %s:%d (plain HTTP, open)", net.host, net.scheduler_metrics_port)
     await server.start()
     engine.start()
-    log.info("scheduler serving on %s:%d, worker at %s", config.network.host, port, config.network.worker_addr)
+    internal = describe_internal(config.security)
+    log.info("scheduler serving on %s:%d (%s), worker at %s (%s)", net.host, port, internal, net.worker_addr, internal)
     return SchedulerServer(server, port, engine, health, metrics)
 
 
@@ -71,7 +77,7 @@ log = logging.getLogger(__name__)
 async def serve(config: Config) -> int:
     try:
         server = await start(config, serve_metrics=True)
-    except OSError as e:  # a port in use
+    except (OSError, ValueError) as e:  # a port in use, an unreadable certificate
         log.error("cannot start the scheduler: %s", e)
         return 1
     stopping = asyncio.Event()

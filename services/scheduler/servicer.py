@@ -7,6 +7,7 @@ import asyncio
 from kvgrid.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from services.common import tracing
 from services.common.errors import InvalidArgument, KvgridError, Unavailable, grpc_errors
+from services.common.request_checks import check_request_id
 from services.scheduler.engine import Engine
 from services.scheduler.frontends import FrontendStream, end_request_span, start_request_span
 
@@ -17,6 +18,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     @grpc_errors
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context):
+        # A tool's request: the frontend's rules for its id too (ids on Connect are the frontend's own).
+        check_request_id(request.request_id)
         span = start_request_span(
             request.request_id, len(request.prompt_token_ids), tracing.context_from_metadata(context)
         )

@@ -12,7 +12,8 @@ import grpc
 
 from kvgrid.v1 import worker_pb2, worker_pb2_grpc
 from services.common.config import Config
-from services.common.server import insecure_channel
+from services.common.server import peer_channel
+from services.common.tls import internal_tls
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +47,19 @@ def scheduler_id() -> str:
 
 
 async def connect(config: Config) -> WorkerSession:
-    """Dial and handshake until a compatible worker answers; never gives up."""
+    """Dial and handshake until a compatible worker answers; never gives up. With --internal-tls-* the certificate
+    files are read at each attempt, so a restarted worker is dialed with the files as they are now."""
     addr = config.network.worker_addr
     delay = FIRST_BACKOFF_S
     while True:
-        channel = insecure_channel(addr)
+        try:
+            tls = internal_tls(config.security)
+        except ValueError as e:
+            log.error("cannot dial the worker at %s: %s; retrying in %.1fs", addr, e, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_BACKOFF_S)
+            continue
+        channel = peer_channel(addr, tls)
         stub = worker_pb2_grpc.WorkerStub(channel)
         try:
             info = await stub.Handshake(
@@ -60,7 +69,7 @@ async def connect(config: Config) -> WorkerSession:
             await channel.close()
             raise
         except grpc.aio.AioRpcError as e:
-            log.info("worker at %s not ready (%s); retrying in %.1fs", addr, e.code().name, delay)
+            log.info("worker at %s not ready (%s: %s); retrying in %.1fs", addr, e.code().name, e.details(), delay)
         else:
             problems = incompatibilities(info, config)
             if not problems:

@@ -38,5 +38,15 @@ def resolve(addr: str) -> list[str]:
     return [f"{ip}:{port}" if ":" not in ip else f"[{ip}]:{port}" for ip in ips]
 
 
+def resolve_named(addrs: list[str]) -> dict[str, str]:
+    """Every address of ``resolve`` for each of ``addrs``, with the DNS name it was resolved from ("" for an
+    address given as is): under mutual TLS a scheduler's certificate is checked against that name, not its IP."""
+    named: dict[str, str] = {}
+    for addr in addrs:
+        for out in resolve(addr):
+            named.setdefault(out, "" if out == addr else _host_port(addr)[0])
+    return named
+
+
 def resolve_all(addrs: list[str]) -> list[str]:
-    return list(dict.fromkeys(out for addr in addrs for out in resolve(addr)))
+    return list(resolve_named(addrs))

@@ -27,6 +27,7 @@ import grpc
 
 from kvgrid.v1 import common_pb2, scheduler_pb2
 from services.common.errors import AlreadyExists, Unavailable, error_for_code
+from services.common.tls import TlsFiles
 from services.tokenizer.group_view import GroupView
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.request_handle import RequestHandle
@@ -57,11 +58,12 @@ CHUNK = 4
 
 
 class SchedulerClient:
-    """Owns the Connect stream to the scheduler at ``addr`` and keeps ``state`` in step with its health."""
+    """Owns the Connect stream to the scheduler at ``addr`` and keeps ``state`` in step with its health (dialed
+    with mutual TLS when ``tls`` is given, see ``SchedulerLink``)."""
 
-    def __init__(self, addr: str, state: ModelState):
+    def __init__(self, addr: str, state: ModelState, tls: TlsFiles | None = None, server_name: str = ""):
         self.addr = addr
-        self.link = SchedulerLink(addr, state)
+        self.link = SchedulerLink(addr, state, tls, server_name)
         self.view = GroupView()
         self._handles: dict[str, RequestHandle] = {}
         # Outgoing messages not written yet; submits after an abort start a new message, so order is kept.

@@ -6,6 +6,10 @@ fields, apply the chat template, tokenize, check the prompt against the model's 
 fix what the scheduler gets. A rule added here holds for every API at once, with the same
 message; a failure raises ``InvalidArgument`` naming the field (``sampling.<name>`` for
 sampling fields, which each API may rename for its clients).
+
+What a request may cost is checked before the cost is paid: a prompt's length in characters before
+it is tokenized, and a structured-output spec's build against llguidance's fuel (``grammar_check``),
+off the event loop.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from services.tokenizer.text_tokenizer import TextTokenizer
 
 # Inputs at least this long are tokenized in a thread, so that one big prompt does not stall every other stream.
 LONG_INPUT_CHARS = 8192
+# The prompt-length cap of a caller that knows no model limits (``tokenize`` without ``max_chars``): what a
+# model of 8192 tokens allows (see ``validation.MAX_CHARS_PER_TOKEN``).
+DEFAULT_MAX_PROMPT_CHARS = v.MAX_CHARS_PER_TOKEN * 8192
 
 
 @dataclass(slots=True)
@@ -81,10 +88,11 @@ class FrontDoor:
     def prepare(self, prompt: Prompt, sampling: common_pb2.SamplingParams, request_id: str) -> EngineRequest:
         """Raises ``InvalidArgument`` naming the first bad field: request id, sampling, prompt, length."""
         v.check_request_id(request_id)
+        check_prompt_size(prompt, self.limits.max_prompt_chars)
         v.check_sampling(sampling, self.limits)
         if isinstance(prompt, TextPrompt) and prompt.text == "":
             raise InvalidArgument(prompt.field, "empty: give text or token ids")
-        ids = tokenize(self.tokenizer, prompt)
+        ids = _tokenize(self.tokenizer, prompt)
         if isinstance(prompt, TokensPrompt):
             v.check_token_ids(prompt.field, ids, self.limits.vocab_size)
         v.check_prompt_length(prompt.field, len(ids), self.limits)
@@ -96,14 +104,33 @@ class FrontDoor:
     async def prepare_async(
         self, prompt: Prompt, sampling: common_pb2.SamplingParams, request_id: str
     ) -> EngineRequest:
-        """``prepare``, with long inputs tokenized off the event loop."""
-        if num_chars(prompt) < LONG_INPUT_CHARS:
+        """``prepare``, with long inputs tokenized and structured-output specs checked off the event loop (a spec's
+        check builds it against the vocabulary: milliseconds, up to the fuel budget, once per distinct spec)."""
+        check_prompt_size(prompt, self.limits.max_prompt_chars)  # refused here: no thread for a prompt never read
+        if num_chars(prompt) < LONG_INPUT_CHARS and sampling.WhichOneof("structured_output") is None:
             return self.prepare(prompt, sampling, request_id)
         return await asyncio.to_thread(self.prepare, prompt, sampling, request_id)
 
 
-def tokenize(tokenizer: TextTokenizer, prompt: Prompt) -> list[int]:
-    """The prompt's token ids (chat: the template with the assistant's turn opened); no length check."""
+def tokenize(tokenizer: TextTokenizer, prompt: Prompt, max_chars: int | None = None) -> list[int]:
+    """The prompt's token ids (chat: the template with the assistant's turn opened). Before tokenizing, a prompt
+    of more than ``max_chars`` characters (default ``DEFAULT_MAX_PROMPT_CHARS``; the model's limit is
+    ``ModelLimits.max_prompt_chars``) and text that is not valid Unicode are INVALID_ARGUMENT; the length in
+    tokens is the caller's check."""
+    check_prompt_size(prompt, DEFAULT_MAX_PROMPT_CHARS if max_chars is None else max_chars)
+    return _tokenize(tokenizer, prompt)
+
+
+async def tokenize_async(tokenizer: TextTokenizer, prompt: Prompt, max_chars: int | None = None) -> list[int]:
+    """``tokenize``, with long inputs off the event loop."""
+    check_prompt_size(prompt, DEFAULT_MAX_PROMPT_CHARS if max_chars is None else max_chars)
+    if num_chars(prompt) < LONG_INPUT_CHARS:
+        return _tokenize(tokenizer, prompt)
+    return await asyncio.to_thread(_tokenize, tokenizer, prompt)
+
+
+def _tokenize(tokenizer: TextTokenizer, prompt: Prompt) -> list[int]:
+    """``tokenize`` for a prompt that passed ``check_prompt_size``."""
     if isinstance(prompt, TokensPrompt):
         ids = list(prompt.token_ids)
         for i, token_id in enumerate(ids):
@@ -111,33 +138,41 @@ def tokenize(tokenizer: TextTokenizer, prompt: Prompt) -> list[int]:
                 raise InvalidArgument(f"{prompt.field}[{i}]", f"token ids are integers >= 0, got {token_id!r}")
         return ids
     if isinstance(prompt, ChatPrompt):
-        check_messages(prompt.field, prompt.messages)
+        for i, m in enumerate(prompt.messages):
+            v.check_text(f"{prompt.field}[{i}].content", m.get("content") or "")
         if tokenizer.chat_template is None:
             raise InvalidArgument(prompt.field, "the model's tokenizer has no chat template; send a plain prompt")
         return tokenizer.encode_chat(prompt.messages)
-    if not isinstance(prompt.text, str):
-        raise InvalidArgument(prompt.field, f"must be text, got {type(prompt.text).__name__}")
+    v.check_text(prompt.field, prompt.text)
     return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
 
 
-async def tokenize_async(tokenizer: TextTokenizer, prompt: Prompt) -> list[int]:
-    """``tokenize``, with long inputs off the event loop."""
-    if num_chars(prompt) < LONG_INPUT_CHARS:
-        return tokenize(tokenizer, prompt)
-    return await asyncio.to_thread(tokenize, tokenizer, prompt)
+def check_prompt_size(prompt: Prompt, max_chars: int) -> None:
+    """The prompt's shape (text, or chat messages of known roles) and its length in characters: checks that cost
+    nothing next to tokenizing it, made before anything reads the text. (A prompt of token ids has its length
+    checked in tokens.)"""
+    if isinstance(prompt, TokensPrompt):
+        return
+    if isinstance(prompt, ChatPrompt):
+        check_messages(prompt.field, prompt.messages)
+    elif not isinstance(prompt.text, str):
+        raise InvalidArgument(prompt.field, f"must be text, got {type(prompt.text).__name__}")
+    v.check_prompt_chars(prompt.field, num_chars(prompt), max_chars)
 
 
 def check_messages(field: str, messages: list[dict[str, str]]) -> None:
     """Chat messages as dicts: each a ``{"role": ..., "content": "..."}`` with a known role."""
-    checked = []
+    roles = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("content", ""), str) or not isinstance(m.get("role"), str):
             raise InvalidArgument(f"{field}[{i}]", 'each message is {"role": "...", "content": "..."}')
-        checked.append(generate_pb2.ChatMessage(role=m["role"], content=m.get("content", "")))
-    v.check_messages(field, checked)
+        v.check_text(f"{field}[{i}].role", m["role"])
+        roles.append(generate_pb2.ChatMessage(role=m["role"]))  # the content is checked (and copied) by no one here
+    v.check_messages(field, roles)
 
 
 def num_chars(prompt: Prompt) -> int:
+    """Characters of text (chat: of the messages' contents), for a prompt whose shape was checked."""
     if isinstance(prompt, TextPrompt):
         return len(prompt.text) if isinstance(prompt.text, str) else 0
     if isinstance(prompt, ChatPrompt):

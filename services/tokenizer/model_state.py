@@ -31,7 +31,9 @@ class ModelState:
         tokenizer: TextTokenizer | None = None,
         served_model_name: str = "",
         on_change: Callable[[bool], None] = lambda serving: None,
+        max_prompt_chars: int = 0,
     ):
+        """``max_prompt_chars``: --max-prompt-chars (0: from the worker's max_model_len, see ``ModelLimits``)."""
         self.scheduler_addr = scheduler_addr
         self.tokenizer = tokenizer
         self.info: worker_pb2.HandshakeResponse | None = None
@@ -48,6 +50,7 @@ class ModelState:
         self._no_streams.set()
         self._grammars = GrammarChecker()
         self._grammars_for: tuple = ()  # (tokenizer, vocab size, EOS ids) the checker was built for
+        self._max_prompt_chars = max_prompt_chars
 
     @property
     def serving(self) -> bool:
@@ -153,10 +156,14 @@ class ModelState:
         """The front door for a new request; UNAVAILABLE unless serving."""
         return FrontDoor(*self.require_serving())
 
+    def max_prompt_chars(self) -> int | None:
+        """The prompt cap in characters once the model is known (None before: the front door's default)."""
+        return self.limits().max_prompt_chars if self.info is not None and self.tokenizer is not None else None
+
     def limits(self) -> ModelLimits:
         info = self.require_info()
         vocab_size = info.vocab_size or self.require_tokenizer().vocab_size
-        return ModelLimits(max_model_len=info.max_model_len, vocab_size=vocab_size, grammars=self._grammars)
+        return ModelLimits(info.max_model_len, vocab_size, self._grammars, self._max_prompt_chars)
 
     def model_info(self) -> generate_pb2.ModelInfo:
         info = self.require_info()

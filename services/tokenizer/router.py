@@ -23,7 +23,8 @@ from kvgrid.v1 import common_pb2, worker_pb2
 from services.common.block_hash import chain_hash, prompt_block_hashes
 from services.common.config import RoutingConfig
 from services.common.errors import AlreadyExists, Unavailable
-from services.tokenizer.discovery import is_literal, resolve_all
+from services.common.tls import TlsFiles
+from services.tokenizer.discovery import is_literal, resolve_named
 from services.tokenizer.engine_client import SchedulerClient
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.request_handle import RequestHandle
@@ -85,10 +86,10 @@ class GroupState:
 
 
 class Group:
-    def __init__(self, addr: str, model: ModelState, on_change):
+    def __init__(self, addr: str, model: ModelState, on_change, tls: TlsFiles | None = None, server_name: str = ""):
         self.addr = addr
         self.state = GroupState(model, on_change)
-        self.client = SchedulerClient(addr, self.state)
+        self.client = SchedulerClient(addr, self.state, tls, server_name)
 
     @property
     def available(self) -> bool:
@@ -104,10 +105,11 @@ class Router:
     """The frontend's engine client over every scheduler of the deployment (same interface as SchedulerClient):
     ``submit`` picks a group, the returned handle talks to that group alone."""
 
-    def __init__(self, addrs: list[str], state: ModelState, config: RoutingConfig):
+    def __init__(self, addrs: list[str], state: ModelState, config: RoutingConfig, tls: TlsFiles | None = None):
         self._spec = addrs
         self._state = state
         self.config = config
+        self._tls = tls  # mutual TLS toward every scheduler (None: plaintext)
         self.groups: dict[str, Group] = {}
         self._turn = 0
         self._refresh_task: asyncio.Task | None = None
@@ -116,7 +118,7 @@ class Router:
         self._retired: dict[str, Group] = {}
 
     async def start(self) -> None:
-        await self._update(await asyncio.to_thread(resolve_all, self._spec))
+        await self._update(await asyncio.to_thread(resolve_named, self._spec))
         if not all(is_literal(addr) for addr in self._spec) and self.config.scheduler_resolve_interval > 0:
             self._refresh_task = asyncio.create_task(self._refresh(), name="scheduler-resolve")
 
@@ -174,13 +176,14 @@ class Router:
     def _all(self) -> list[Group]:
         return [*self.groups.values(), *self._retired.values()]
 
-    async def _update(self, addrs: list[str]) -> None:
-        for addr in addrs:
+    async def _update(self, addrs: dict[str, str]) -> None:
+        """``addrs``: each scheduler address with the DNS name it was resolved from (see ``resolve_named``)."""
+        for addr, server_name in addrs.items():
             if addr in self._retired:
                 self.groups[addr] = self._retired.pop(addr)
                 log.info("scheduler group %s is back in rotation", addr)
             elif addr not in self.groups:
-                group = self.groups[addr] = Group(addr, self._state, self._on_change)
+                group = self.groups[addr] = Group(addr, self._state, self._on_change, self._tls, server_name)
                 group.client.start()
                 log.info("scheduler group %s added", addr)
         for addr in [addr for addr in self.groups if addr not in addrs]:
@@ -198,4 +201,4 @@ class Router:
     async def _refresh(self) -> None:
         while True:
             await asyncio.sleep(self.config.scheduler_resolve_interval)
-            await self._update(await asyncio.to_thread(resolve_all, self._spec))
+            await self._update(await asyncio.to_thread(resolve_named, self._spec))

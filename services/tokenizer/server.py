@@ -12,13 +12,23 @@ from dataclasses import dataclass
 import grpc
 
 from kvgrid.v1 import generate_pb2_grpc
-from services.common.config import Config, RoutingConfig
+from services.common.auth import ApiKeyInterceptor, ApiKeys
+from services.common.config import Config, HttpConfig, LimitsConfig, RoutingConfig, SecurityConfig
 from services.common.logs import setup_logging
 from services.common.server import Health, add_reflection, bind, new_server
+from services.common.tls import (
+    describe_internal,
+    describe_public,
+    internal_tls,
+    public_tls,
+    server_credentials,
+    uvicorn_ssl_options,
+)
 from services.common.tracing import setup_tracing, shutdown_tracing
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.openai.app import build_app
+from services.tokenizer.openai.guards import HttpGuards
 from services.tokenizer.openai.http_server import HttpServer
 from services.tokenizer.openai.serving import OpenAIServing
 from services.tokenizer.router import Router
@@ -70,12 +80,19 @@ class TokenizerServer:
 async def start_tokenizer(
     config: Config, port: int = 0, http_port: int = 0, tokenizer: TextTokenizer | None = None
 ) -> TokenizerServer:
-    """Start serving on ``config.network.host``; port 0 picks free ports (see the returned ports)."""
+    """Start serving on ``config.network.host``; port 0 picks free ports (see the returned ports). Raises OSError
+    (a port taken) or ValueError (unreadable key or certificate files)."""
+    security = config.security or SecurityConfig()
+    limits = config.limits or LimitsConfig()
+    keys = ApiKeys.from_config(security)
+    public = server_credentials(public_tls(security))
+    internal = internal_tls(security)
     if tokenizer is None and config.model.tokenizer:
         tokenizer = load_tokenizer(config.model.tokenizer)
         log.info("tokenizer loaded from %s", config.model.tokenizer)
     metrics = TokenizerMetrics(config.model.name)
-    server = new_server()
+    interceptors = [ApiKeyInterceptor(keys)] if keys is not None else []
+    server = new_server(interceptors, max_receive_bytes=limits.max_request_bytes)
     health = Health(server, [SERVICE_NAME])
     routing = config.routing or RoutingConfig()
     addrs = config.network.scheduler_addr_list()
@@ -84,13 +101,15 @@ async def start_tokenizer(
         tokenizer=tokenizer,
         served_model_name=config.model.served_model_name,
         on_change=health.set,
+        max_prompt_chars=limits.max_prompt_chars,
     )
-    engine = Router(addrs, state, routing)
+    engine = Router(addrs, state, routing, internal)
     generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state, engine, metrics), server)
     add_reflection(server, [SERVICE_NAME])
-    bound = bind(server, config.network.host, port)
-    app = build_app(OpenAIServing(state, engine, metrics), metrics.registry, lambda: state.serving)
-    http = HttpServer(app)
+    bound = bind(server, config.network.host, port, public)
+    guards = HttpGuards(keys, security.metrics_require_key, limits.max_request_bytes)
+    app = build_app(OpenAIServing(state, engine, metrics), metrics.registry, lambda: state.serving, guards)
+    http = HttpServer(app, config.http or HttpConfig(), uvicorn_ssl_options(security))
     await server.start()
     try:
         bound_http = await http.start(config.network.host, http_port)
@@ -98,13 +117,25 @@ async def start_tokenizer(
         await server.stop(None)
         raise
     await engine.start()
+    if keys is None:
+        auth = "no API key: open to every client"
+    else:
+        metrics_auth = "/metrics too" if security.metrics_require_key else "/health and /metrics open"
+        auth = f"API key required ({len(keys)} accepted; {metrics_auth})"
     log.info(
-        "tokenizer frontend on %s:%d (HTTP %d), schedulers at %s (%s routing)",
+        "tokenizer frontend on %s: gRPC %d, HTTP %d (%s; %s; largest request %d bytes)",
         config.network.host,
         bound,
         bound_http,
+        describe_public(security),
+        auth,
+        limits.max_request_bytes,
+    )
+    log.info(
+        "schedulers at %s (%s routing; %s)",
         ", ".join(engine.groups),
         routing.routing_policy,
+        describe_internal(security),
     )
     return TokenizerServer(server, http, engine, state, health, metrics, bound, bound_http)
 

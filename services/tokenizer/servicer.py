@@ -55,7 +55,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
             prompt = ChatPrompt(_messages(request.messages))
         else:
             prompt = TextPrompt(request.text, "text", request.add_special_tokens)
-        token_ids = await tokenize_async(tokenizer, prompt)
+        token_ids = await tokenize_async(tokenizer, prompt, self._state.max_prompt_chars())
         return generate_pb2.TokenizeResponse(token_ids=token_ids, tokens=tokenizer.token_strings(token_ids))
 
     @grpc_errors

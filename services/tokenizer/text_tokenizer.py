@@ -132,7 +132,10 @@ class TextTokenizer:
         return self._backend.to_str()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens and self._post_adds_tokens).ids
+        # encode_batch_fast releases the GIL while it works (encode does not), so a long prompt tokenized in a
+        # thread leaves the event loop and the other streams running; it skips only character offsets.
+        add = add_special_tokens and self._post_adds_tokens
+        return self._backend.encode_batch_fast([text], add_special_tokens=add)[0].ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -17,7 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgrid.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.logs import request_log
-from services.common.server import CHANNEL_OPTIONS, SERVING
+from services.common.server import SERVING, peer_channel
+from services.common.tls import TlsFiles
 from services.tokenizer.model_state import ModelState
 
 log = logging.getLogger(__name__)
@@ -37,10 +38,13 @@ LINK_OPTIONS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16 *
 
 
 class SchedulerLink:
-    def __init__(self, addr: str, state: ModelState):
+    """``tls``: mutual TLS toward the scheduler (None: plaintext); ``server_name``: the name its certificate must
+    hold when ``addr`` is an IP address resolved from that name."""
+
+    def __init__(self, addr: str, state: ModelState, tls: TlsFiles | None = None, server_name: str = ""):
         self.addr = addr
         self._state = state
-        self.channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS + LINK_OPTIONS)
+        self.channel = peer_channel(addr, tls, LINK_OPTIONS, server_name)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._watch_task: asyncio.Task | None = None

@@ -1,28 +1,38 @@
 """Checks on every public request field; each failure is INVALID_ARGUMENT naming the field.
 
-Nothing invalid reaches the scheduler. proto3 zeros mean "the default" (see
-common.proto), so only values a client must have chosen on purpose are rejected.
+The field ranges are ``services.common.request_checks``, which the scheduler applies too; here are the
+checks that need the tokenizer or the served vocabulary. Nothing invalid reaches the scheduler. proto3 zeros
+mean "the default" (see common.proto), so only values a client must have chosen on purpose are rejected.
 """
 
 from __future__ import annotations
 
-import math
+import re
 from dataclasses import dataclass, field
 
 from kvgrid.v1 import common_pb2
 from services.common.errors import InvalidArgument
+from services.common.request_checks import (  # noqa: F401 - the frontend's checks are these too
+    DEFAULT_MAX_TOKENS,
+    MAX_LOGPROBS,
+    MAX_REQUEST_ID_CHARS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    check_request_id,
+    check_sampling_fields,
+    check_token_ids,
+)
 from services.tokenizer.grammar_check import GrammarChecker
 
-DEFAULT_MAX_TOKENS = 16
-MAX_TEMPERATURE = 100.0
-MAX_PENALTY = 2.0
-MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 256
-MAX_REQUEST_ID_CHARS = 256
 MAX_CHAT_MESSAGES = 4096
 CHAT_ROLES = ("system", "user", "assistant", "tool")
+# No token of a real vocabulary is longer than this many characters (SmolLM2's longest, a newline and 80 spaces,
+# is 81; its densest runs of spaces, '-', '=' or '#' give 64 characters a token), so a prompt of more than this
+# many characters per token the model allows cannot fit and is refused before it is tokenized.
+MAX_CHARS_PER_TOKEN = 128
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(slots=True)
@@ -31,80 +41,46 @@ class ModelLimits:
     vocab_size: int
     # Structured-output specs are compiled against the served vocabulary (a bare checker reads syntax only).
     grammars: GrammarChecker = field(default_factory=GrammarChecker)
+    # The longest prompt in characters (chat: the messages' contents together); 0 means
+    # MAX_CHARS_PER_TOKEN characters for each token of max_model_len.
+    max_prompt_chars: int = 0
 
-
-def _finite(field: str, value: float) -> None:
-    if not math.isfinite(value):
-        raise InvalidArgument(field, f"must be a finite number, got {value}")
-
-
-def _in_range(field: str, value: float, low: float, high: float) -> None:
-    _finite(field, value)
-    if not low <= value <= high:
-        raise InvalidArgument(field, f"must be in [{low:g}, {high:g}], got {value:g}")
-
-
-def check_token_ids(field: str, token_ids, vocab_size: int) -> None:
-    for i, token_id in enumerate(token_ids):
-        if token_id >= vocab_size:
-            raise InvalidArgument(f"{field}[{i}]", f"token id {token_id} is outside the vocabulary (size {vocab_size})")
-
-
-def check_request_id(request_id: str) -> None:
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
-    if not request_id.isprintable():
-        raise InvalidArgument("request_id", "must contain printable characters only")
+    def __post_init__(self) -> None:
+        if self.max_prompt_chars <= 0:
+            self.max_prompt_chars = MAX_CHARS_PER_TOKEN * self.max_model_len
 
 
 def check_sampling(sampling: common_pb2.SamplingParams, limits: ModelLimits) -> None:
-    s = sampling
-    _in_range("sampling.temperature", s.temperature, 0.0, MAX_TEMPERATURE)
-    _in_range("sampling.top_p", s.top_p, 0.0, 1.0)  # 0 means 1
-    if not -1 <= s.top_k <= limits.vocab_size:
-        raise InvalidArgument("sampling.top_k", f"must be -1, 0 (no cut) or up to {limits.vocab_size}, got {s.top_k}")
-    _in_range("sampling.min_p", s.min_p, 0.0, 1.0)
-    _in_range("sampling.presence_penalty", s.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
-    _in_range("sampling.frequency_penalty", s.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
-    _finite("sampling.repetition_penalty", s.repetition_penalty)
-    if s.repetition_penalty < 0:
-        raise InvalidArgument("sampling.repetition_penalty", f"must be > 0 (0 means 1), got {s.repetition_penalty:g}")
-    if s.logprobs > MAX_LOGPROBS:
-        raise InvalidArgument("sampling.logprobs", f"at most {MAX_LOGPROBS}, got {s.logprobs}")
-    if s.max_tokens > limits.max_model_len:
-        raise InvalidArgument(
-            "sampling.max_tokens", f"{s.max_tokens} exceeds the model's maximum length of {limits.max_model_len} tokens"
-        )
-    max_tokens = s.max_tokens or DEFAULT_MAX_TOKENS
-    if s.min_tokens > max_tokens:
-        raise InvalidArgument("sampling.min_tokens", f"{s.min_tokens} is more than max_tokens ({max_tokens})")
-    if len(s.stop) > MAX_STOP_STRINGS:
-        raise InvalidArgument("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}")
-    for i, stop in enumerate(s.stop):
-        if not stop:
-            raise InvalidArgument(f"sampling.stop[{i}]", "must not be empty")
-        if len(stop) > MAX_STOP_STRING_CHARS:
-            raise InvalidArgument(f"sampling.stop[{i}]", f"at most {MAX_STOP_STRING_CHARS} characters, got {len(stop)}")
-    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidArgument(
-            "sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(s.stop_token_ids)}"
-        )
-    check_token_ids("sampling.stop_token_ids", s.stop_token_ids, limits.vocab_size)
-    check_structured_output(s, limits)
+    """The scheduler's checks of every field (``request_checks``), then the structured-output spec compiled
+    against the served vocabulary, which only the frontend can do."""
+    check_sampling_fields(sampling, limits.max_model_len, limits.vocab_size)
+    if sampling.WhichOneof("structured_output") is not None:
+        where, problem = limits.grammars.problem(sampling)
+        if problem:
+            raise InvalidArgument(where, problem)
 
 
-def check_structured_output(s: common_pb2.SamplingParams, limits: ModelLimits) -> None:
-    kind = s.WhichOneof("structured_output")
-    if kind is None:
-        return
-    # A complete output allows only EOS: the request must be free to end on it.
-    if s.ignore_eos:
-        raise InvalidArgument("sampling.ignore_eos", f"cannot be combined with a structured output ({kind})")
-    if s.min_tokens:
-        raise InvalidArgument("sampling.min_tokens", f"cannot be combined with a structured output ({kind})")
-    where, problem = limits.grammars.problem(s)
-    if problem:
-        raise InvalidArgument(where, problem)
+def check_prompt_chars(field: str, num_chars: int, max_chars: int) -> None:
+    """Before tokenizing: a prompt this long costs the frontend seconds and cannot fit the model anyway."""
+    if num_chars > max_chars:
+        raise InvalidArgument(
+            field, f"the prompt has {num_chars} characters; at most {max_chars} are accepted (--max-prompt-chars)"
+        )
+
+
+def lone_surrogate(text: str) -> int:
+    """The index of the first lone surrogate (U+D800..U+DFFF) in ``text``, or -1. JSON can carry one
+    ("\\ud800"); it is not a character and no UTF-8 encoder, tokenizer or protobuf string takes it."""
+    if text.isascii():
+        return -1
+    match = _SURROGATE.search(text)
+    return -1 if match is None else match.start()
+
+
+def check_text(field: str, text: str) -> None:
+    where = lone_surrogate(text)
+    if where >= 0:
+        raise InvalidArgument(field, f"is not valid Unicode: a lone surrogate at character {where}")
 
 
 def check_prompt_length(field: str, num_prompt_tokens: int, limits: ModelLimits) -> None:

@@ -19,6 +19,7 @@ from services.common import tracing
 from services.common.config import Config
 from services.common.logs import setup_logging
 from services.common.server import Health, add_reflection, bind, new_server
+from services.common.tls import describe_internal, internal_tls, server_credentials
 from services.worker.core import WorkerCore, build_core
 from services.worker.metrics import WorkerMetrics
 from services.worker.parallel.ranks import exit_now
@@ -63,14 +64,15 @@ async def start_worker(
     """Serve on ``config.network.host:port`` (0: a free port). Health is NOT_SERVING while the model
     loads and SERVING once the KV cache is allocated. Pass ``core`` to reuse a loaded worker.
     Raises ModelLoadError / InsufficientMemory after stopping the server."""
+    credentials = server_credentials(internal_tls(config.security))
     server = new_server()
     servicer = WorkerServicer(metrics)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = Health(server, [SERVICE_NAME])
     add_reflection(server, [SERVICE_NAME])
-    bound = bind(server, config.network.host, port)
+    bound = bind(server, config.network.host, port, credentials)
     await server.start()
-    log.info("worker gRPC on %s:%d (loading)", config.network.host, bound)
+    log.info("worker gRPC on %s:%d (%s; loading)", config.network.host, bound, describe_internal(config.security))
     try:
         if core is None:
             loop = asyncio.get_running_loop()
@@ -117,7 +119,7 @@ def main(config: Config) -> int:
     except (ModelLoadError, InsufficientMemory) as exc:
         print(f"kvgrid worker: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:  # a port in use
+    except (OSError, ValueError) as exc:  # a port in use, an unreadable certificate
         print(f"kvgrid worker: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -127,6 +129,7 @@ def main(config: Config) -> int:
 async def _serve(config: Config) -> int:
     metrics = WorkerMetrics(config.model.name)
     metrics.serve(config.network.worker_metrics_port, config.network.host)
+    log.info("worker /metrics on %s:%d (plain HTTP, open)", config.network.host, config.network.worker_metrics_port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -11,13 +11,17 @@ from opentelemetry import trace
 
 from kvgrid.v1 import worker_pb2, worker_pb2_grpc
 from services.common import tracing
-from services.common.errors import Unavailable, grpc_errors
+from services.common.errors import FailedPrecondition, Unavailable, grpc_errors
 from services.worker.core import WorkerCore
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import SampledRow
 from services.worker.request_state import RequestState, RequestStates
 
 log = logging.getLogger(__name__)
+
+# How long a new Execute stream waits for the open one to end before it is refused: a scheduler that redials
+# after its stream broke may arrive before the worker has seen the old stream end.
+STREAM_WAIT_S = 1.0
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -30,8 +34,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # cores and stops spin-waiting between parallel regions, so each of a step's many short regions pays a
         # thread wake-up, which small decode steps feel most.
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="worker-model")
-        # The request states of each open Execute stream, so that a drain knows when they are done.
+        # The request states of the open Execute stream, so that a drain knows when they are done.
         self._open: list[RequestStates] = []
+        # One plan stream at a time, and only from the peer of the last handshake: the KV cache is the block pool
+        # of one scheduler, and a second stream could write into blocks that pool gave to other requests.
+        self._stream_lock = asyncio.Lock()
+        self._scheduler_peer: str | None = None
         self.draining = False
 
     @property
@@ -54,18 +62,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise Unavailable("the worker is shutting down; dial its replacement")
         if core.ranks is not None and not core.ranks.alive:
             raise Unavailable("a tensor-parallel rank is gone and the worker is going down; dial its replacement")
-        log.info("handshake from scheduler %r", request.scheduler_id or "?")
+        self._scheduler_peer = context.peer()
+        log.info("handshake from scheduler %r at %s", request.scheduler_id or "?", self._scheduler_peer)
         return core.handshake
+
+    async def _take_stream(self, context) -> None:
+        """Become the one open plan stream, or raise FailedPrecondition."""
+        if self._scheduler_peer is None or context.peer() != self._scheduler_peer:
+            raise FailedPrecondition(
+                "Execute: only the scheduler of the last Handshake may send plans; call Handshake first on this"
+                " connection"
+            )
+        try:
+            await asyncio.wait_for(self._stream_lock.acquire(), STREAM_WAIT_S)
+        except TimeoutError:
+            raise FailedPrecondition(
+                "Execute: another plan stream is open; a worker takes plans from one scheduler at a time (its KV"
+                " blocks belong to that scheduler's pool)"
+            ) from None
 
     @grpc_errors
     async def Execute(self, request_iterator, context):
         core = self._ready()
-        states = core.request_states()
+        await self._take_stream(context)
+        states = None
         spans = _RequestSpans()
         loop = asyncio.get_running_loop()
-        log.info("execute stream opened")
-        self._open.append(states)
         try:
+            states = core.request_states()
+            log.info("execute stream opened")
+            self._open.append(states)
             async for plan in request_iterator:
                 started = time.perf_counter()
                 spans.end(plan.finished_ids)
@@ -85,9 +111,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     num_kv_load_failed_tokens=num_failed,
                 )
         finally:
-            self._open.remove(states)
+            self._stream_lock.release()
+            if states is not None:
+                self._open.remove(states)
+                log.info("execute stream closed with %d requests in flight", len(states.requests))
             spans.end(list(spans.open))
-            log.info("execute stream closed with %d requests in flight", len(states.requests))
 
     def shutdown(self) -> None:
         self.model_thread.shutdown(wait=False, cancel_futures=True)

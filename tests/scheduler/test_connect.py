@@ -172,7 +172,9 @@ def test_async_scheduling_gives_the_same_outputs_as_sync_over_hundreds_of_mixed_
     requests = []
     for i in range(300):
         prompt = (system if i % 3 else []) + [rng.randrange(3, 50) for _ in range(rng.randint(1, 10))]
-        sampling = dict(max_tokens=rng.randint(1, 30), min_tokens=rng.choice([0, 0, 2]), ignore_eos=i % 5 == 0)
+        max_tokens = rng.randint(1, 30)
+        # min_tokens <= max_tokens, as the frontend sends it (the scheduler refuses more, as the frontend does)
+        sampling = dict(max_tokens=max_tokens, min_tokens=min(rng.choice([0, 0, 2]), max_tokens), ignore_eos=i % 5 == 0)
         requests.append(submit_request(f"m{i}", prompt, **sampling))
     aborted = {f"m{i}" for i in rng.sample(range(300), 15)}
 

@@ -102,7 +102,7 @@ def test_the_router_follows_dns_and_routes_only_to_groups_that_are_up(monkeypatc
     from services.tokenizer.model_state import ModelState
 
     answers = [["127.0.0.1:1", "127.0.0.2:1"], ["127.0.0.2:1", "127.0.0.3:1"]]
-    monkeypatch.setattr(router_module, "resolve_all", lambda spec: answers[0])
+    monkeypatch.setattr(router_module, "resolve_named", lambda spec: dict.fromkeys(answers[0], "schedulers"))
 
     async def body():
         router = router_module.Router(

@@ -96,6 +96,7 @@ def test_sigterm_drains_the_requests_it_holds_before_exiting(tiny_dir):
         port, lines = _wait_ready(proc)
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
+            stub.Handshake(worker_pb2.HandshakeRequest(scheduler_id="t"), timeout=10)  # plans follow a handshake
             results = stub.Execute(iter(plans.get, None), timeout=120)
             new = worker_pb2.NewRequest(
                 request_id="a", token_ids=[3, 1, 4], num_prompt_tokens=3, block_ids=[5], num_scheduled_tokens=3

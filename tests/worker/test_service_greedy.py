@@ -82,6 +82,7 @@ def test_second_stream_starts_empty(core_fp32, reference):
     _, tokenizer = reference
 
     async def reconnect(stub, driver, reqs):
+        driver.call.cancel()  # a worker takes one plan stream at a time: the scheduler's next one after this
         call = stub.Execute()
         await call.write(worker_pb2.StepPlan(step_id=1, running=[worker_pb2.RunningRequest(request_id=reqs[0].rid)]))
         with pytest.raises(grpc.aio.AioRpcError) as err:

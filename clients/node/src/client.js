@@ -1,4 +1,6 @@
 // KvgridClient: the public TextGeneration API of a kvgrid server (the tokenizer frontend).
+import { readFileSync } from 'node:fs';
+
 import * as grpc from '@grpc/grpc-js';
 
 import { deltas, unary } from './deltas.js';
@@ -6,6 +8,7 @@ import { loadProtos } from './protos.js';
 
 export const DEFAULT_ADDR = 'localhost:50051';
 export const ADDR_ENV = 'KVGRID_ADDR';
+export const API_KEY_ENV = 'KVGRID_API_KEY';
 const CALL_KEYS = new Set(['signal', 'timeoutMs', 'requestId']);
 
 export class KvgridClient {
@@ -13,19 +16,29 @@ export class KvgridClient {
    * @param {object} [options]
    * @param {string} [options.address] HOST:PORT of the frontend ($KVGRID_ADDR, else localhost:50051)
    * @param {string} [options.protoDir] directory holding kvgrid/v1/*.proto ($KVGRID_PROTO_DIR, else the repository's)
-   * @param {import('@grpc/grpc-js').ChannelCredentials} [options.credentials] default: insecure
+   * @param {string} [options.apiKey] API key of a server started with --api-key ($KVGRID_API_KEY), sent on every
+   *   call as `authorization: Bearer <key>` metadata
+   * @param {string} [options.caFile] connect with TLS, trusting this CA (PEM file); default: plaintext
+   * @param {import('@grpc/grpc-js').ChannelCredentials} [options.credentials] instead of caFile (e.g. with a client
+   *   certificate: grpc.credentials.createSsl(ca, key, cert)); default: insecure
    * @param {object} [options.channelOptions] grpc-js channel options
    */
-  constructor({ address, protoDir, credentials, channelOptions } = {}) {
+  constructor({ address, protoDir, apiKey, caFile, credentials, channelOptions } = {}) {
     const { v1, samplingFields } = loadProtos(protoDir);
     this.address = address ?? process.env[ADDR_ENV] ?? DEFAULT_ADDR;
     this.samplingFields = new Set(samplingFields);
+    const key = apiKey ?? process.env[API_KEY_ENV];
+    this.#metadata = new grpc.Metadata();
+    if (key) this.#metadata.set('authorization', `Bearer ${key}`);
+    const tls = caFile ? grpc.credentials.createSsl(readFileSync(caFile)) : undefined;
     this.stub = new v1.TextGeneration(
       this.address,
-      credentials ?? grpc.credentials.createInsecure(),
+      credentials ?? tls ?? grpc.credentials.createInsecure(),
       channelOptions,
     );
   }
+
+  #metadata;
 
   /**
    * Completes `prompt` (text, or an array of token ids) and yields deltas
@@ -49,18 +62,18 @@ export class KvgridClient {
   /** `{tokenIds, tokens}` of `text`, or of chat `messages` rendered with the template when given. */
   tokenize(text, { addSpecialTokens = false, messages, signal, timeoutMs } = {}) {
     const request = { text, addSpecialTokens, messages };
-    return unary(this.stub, 'Tokenize', request, callOptions(timeoutMs), signal);
+    return unary(this.stub, 'Tokenize', request, this.#metadata.clone(), callOptions(timeoutMs), signal);
   }
 
   /** The text of `tokenIds`. */
   async detokenize(tokenIds, { includeSpecialTokens = false, signal, timeoutMs } = {}) {
     const request = { tokenIds, includeSpecialTokens };
-    return (await unary(this.stub, 'Detokenize', request, callOptions(timeoutMs), signal)).text;
+    return (await unary(this.stub, 'Detokenize', request, this.#metadata.clone(), callOptions(timeoutMs), signal)).text;
   }
 
   /** What is served: `{model, maxModelLen, vocabSize, numKvBlocks, blockSize, dtype, eosTokenIds, device}`. */
   getModelInfo({ signal, timeoutMs } = {}) {
-    return unary(this.stub, 'GetModelInfo', {}, callOptions(timeoutMs), signal);
+    return unary(this.stub, 'GetModelInfo', {}, this.#metadata.clone(), callOptions(timeoutMs), signal);
   }
 
   close() {
@@ -70,7 +83,7 @@ export class KvgridClient {
   #stream(method, request, options) {
     const { signal, timeoutMs, requestId } = options;
     const full = { ...request, sampling: this.#sampling(options), requestId: requestId ?? '' };
-    return deltas(() => this.stub[method](full, callOptions(timeoutMs)), signal);
+    return deltas(() => this.stub[method](full, this.#metadata.clone(), callOptions(timeoutMs)), signal);
   }
 
   #sampling(options) {

@@ -41,12 +41,12 @@ export async function* deltas(startCall, signal) {
 }
 
 /** A unary call as a promise; aborting `signal` cancels it and rejects with the signal's reason. */
-export function unary(client, method, request, callOptions, signal) {
+export function unary(client, method, request, metadata, callOptions, signal) {
   if (signal?.aborted) return Promise.reject(abortReason(signal));
   return new Promise((resolvePromise, reject) => {
     let call;
     const cancel = () => call.cancel();
-    call = client[method](request, callOptions, (err, response) => {
+    call = client[method](request, metadata, callOptions, (err, response) => {
       signal?.removeEventListener('abort', cancel);
       if (signal?.aborted) reject(abortReason(signal));
       else if (err) reject(KvgridError.from(err));

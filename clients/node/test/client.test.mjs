@@ -2,7 +2,7 @@
 import assert from 'node:assert/strict';
 import { after, before, test as nodeTest } from 'node:test';
 
-import { KvgridClient, KvgridError, PROTO_DIR_ENV, resolveProtoDir } from '../src/index.js';
+import { API_KEY_ENV, KvgridClient, KvgridError, PROTO_DIR_ENV, resolveProtoDir } from '../src/index.js';
 import { REPLY, startFakeServer, waitFor } from './fake-server.mjs';
 
 // A broken cancellation would leave a call streaming forever: each test gets a time limit.
@@ -125,4 +125,23 @@ test('the proto directory comes from the option or KVGRID_PROTO_DIR, with a clea
   } finally {
     delete process.env[PROTO_DIR_ENV];
   }
+});
+
+test('an API key (option, else KVGRID_API_KEY) goes on every call as a bearer token; none without one', async () => {
+  const keyed = new KvgridClient({ address: server.address, apiKey: 'k-option' });
+  await collect(keyed.generate('x'));
+  await keyed.getModelInfo();
+  keyed.close();
+  assert.deepEqual(server.authorizations.slice(-2), [['Bearer k-option'], ['Bearer k-option']]);
+  process.env[API_KEY_ENV] = 'k-env';
+  try {
+    const fromEnv = new KvgridClient({ address: server.address });
+    await collect(fromEnv.chat([{ role: 'user', content: 'hi' }]));
+    fromEnv.close();
+  } finally {
+    delete process.env[API_KEY_ENV];
+  }
+  assert.deepEqual(server.authorizations.at(-1), ['Bearer k-env']);
+  await collect(client.generate('x'));
+  assert.deepEqual(server.authorizations.at(-1), []);
 });

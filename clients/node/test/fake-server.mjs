@@ -9,9 +9,11 @@ export const REPLY = ['Hel', 'lo', ' wörld'];
 export async function startFakeServer() {
   const { v1 } = loadProtos();
   const requests = [];
+  const authorizations = []; // the authorization metadata of each call, in order ([] when none was sent)
   const cancelled = [];
   const stream = (call) => {
     requests.push(call.request);
+    authorizations.push(call.metadata.get('authorization'));
     call.on('cancelled', () => cancelled.push(call.request));
     if (call.request.prompt === 'bad') {
       call.emit('error', { code: grpc.status.INVALID_ARGUMENT, details: 'sampling.top_p: must be in [0, 1]' });
@@ -37,12 +39,15 @@ export async function startFakeServer() {
   server.addService(v1.TextGeneration.service, {
     Generate: stream,
     Chat: stream,
-    GetModelInfo: (call, callback) => callback(null, { model: 'fake', vocabSize: 1000 }),
+    GetModelInfo: (call, callback) => {
+      authorizations.push(call.metadata.get('authorization'));
+      callback(null, { model: 'fake', vocabSize: 1000 });
+    },
   });
   const port = await new Promise((resolve, reject) =>
     server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (err, p) => (err ? reject(err) : resolve(p))),
   );
-  return { address: `127.0.0.1:${port}`, requests, cancelled, stop: () => server.forceShutdown() };
+  return { address: `127.0.0.1:${port}`, requests, authorizations, cancelled, stop: () => server.forceShutdown() };
 }
 
 export async function waitFor(predicate, timeoutMs = 10_000) {

@@ -103,14 +103,13 @@ prometheus.io/path: /metrics
 {{- end }}
 {{- end }}
 
-{{/* startup, readiness and liveness probes of a component's values */}}
+{{/* startup, readiness and liveness probes of a component's values; (dict "root" $ "component" "worker" "values" $v)
+     (see kvgrid.probe for probes on ports under TLS) */}}
 {{- define "kvgrid.probes" -}}
-startupProbe:
-  {{- toYaml .startupProbe | nindent 2 }}
-readinessProbe:
-  {{- toYaml .readinessProbe | nindent 2 }}
-livenessProbe:
-  {{- toYaml .livenessProbe | nindent 2 }}
+{{- range $kind := list "startupProbe" "readinessProbe" "livenessProbe" }}
+{{ $kind }}:
+  {{- include "kvgrid.probe" (merge (dict "probe" (index $.values $kind)) $) | nindent 2 }}
+{{- end }}
 {{- end }}
 
 {{- define "kvgrid.scheduling" -}}

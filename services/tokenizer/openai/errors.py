@@ -10,6 +10,7 @@ import grpc
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.errors import InvalidArgument, KvgridError, NotFound
 from services.tokenizer.openai.protocol import UNSUPPORTED_TYPE
@@ -72,6 +73,14 @@ def invalid_body(errors) -> tuple[InvalidArgument, str | None]:
     loc = [part for part in first.get("loc", ()) if part != "body"]
     param = _dotted(loc)
     return InvalidArgument(param or "body", first.get("msg", "invalid value")), param or None
+
+
+async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own refusals (a body that is not JSON, an unknown path, a wrong method) as OpenAI's error object."""
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+    body = ErrorResponse(error=ErrorInfo(message=str(exc.detail), type=kind, param=None, code=code))
+    return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:

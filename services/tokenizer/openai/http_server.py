@@ -1,4 +1,11 @@
-"""uvicorn serving the HTTP app inside the frontend's event loop, beside the gRPC server."""
+"""uvicorn serving the HTTP app inside the frontend's event loop, beside the gRPC server.
+
+Connections are bounded by uvicorn's own settings (--http-keep-alive-timeout, --http-max-connections,
+--http-max-header-bytes) and by a header timeout uvicorn lacks: its keep-alive timer runs only between requests
+and stops at a request's first byte, so a client sending nothing, or one header byte at a time, would hold its
+connection forever. ``_HeaderTimeout`` closes a connection whose request line and headers are not all in within
+--http-header-timeout of the connection opening or of the request's first byte.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +14,54 @@ import contextlib
 import logging
 import socket
 
+import h11
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from services.common.config_sections import HttpConfig
 
 log = logging.getLogger(__name__)
+
+
+class _HeaderTimeout(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's head; ``header_timeout`` is set per server."""
+
+    header_timeout: float = HttpConfig().http_header_timeout
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = self.loop.call_later(self.header_timeout, self._head_overdue)
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_timer is None and self.conn.their_state is h11.IDLE:  # a next request's first bytes
+            self._head_timer = self.loop.call_later(self.header_timeout, self._head_overdue)
+        super().data_received(data)
+        if self._head_timer is not None and self.conn.their_state is not h11.IDLE:  # the head is in
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def _head_overdue(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+def uvicorn_settings(http: HttpConfig) -> dict:
+    """uvicorn.Config's connection settings for ``http``."""
+    protocol = type("HeaderTimeoutH11Protocol", (_HeaderTimeout,), {"header_timeout": http.http_header_timeout})
+    return {
+        "http": protocol,
+        "timeout_keep_alive": http.http_keep_alive_timeout,
+        "limit_concurrency": http.http_max_connections or None,
+        "h11_max_incomplete_event_size": http.http_max_header_bytes,
+    }
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -22,8 +73,12 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app: FastAPI):
+    """``http``: connection limits (defaults without); ``ssl_options``: uvicorn's TLS settings (see
+    ``services.common.tls.uvicorn_ssl_options``; empty: plaintext)."""
+
+    def __init__(self, app: FastAPI, http: HttpConfig | None = None, ssl_options: dict | None = None):
         self._app = app
+        self._settings = {**uvicorn_settings(http or HttpConfig()), **(ssl_options or {})}
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task | None = None
         self.port = 0
@@ -48,6 +103,7 @@ class HttpServer:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=5,
+            **self._settings,
         )
         self._server = _EmbeddedServer(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))

@@ -1,22 +1,28 @@
 """Request bodies of the OpenAI-compatible API (with vLLM's extra sampling fields), as pydantic models.
 
 Only types are checked here; ranges and limits are the front door's checks, so every API rejects the
-same values with the same messages. Unknown fields are ignored, as OpenAI's server does; but a field
-kvgrid knows of and does not support (``UNSUPPORTED``) is refused by name rather than silently dropped,
-unless it carries the value that means "off".
+same values with the same messages. What the protobuf messages cannot hold is refused here too: an
+integer past its proto field's range (uint32, int32, uint64), and text with a lone surrogate (JSON's
+"\\ud800", which no UTF-8 string holds) outside the prompt, whose text the front door checks for every
+API. Unknown fields are ignored, as OpenAI's server does; but a field kvgrid knows of and does not support
+(``UNSUPPORTED``) is refused by name rather than silently dropped, unless it carries the value that means "off".
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from services.tokenizer.validation import lone_surrogate
 
 UInt32 = Annotated[int, Field(ge=0, lt=2**32)]
 Int32 = Annotated[int, Field(ge=-(2**31), lt=2**31)]
 MAX_N = 128
 UNSUPPORTED_TYPE = "unsupported_field"  # the error type validation_error_handler names the field from
+# Prompt text (a prompt, a message's content and its parts) is the front door's to check, with its length.
+_PROMPT_FIELDS = frozenset({"prompt", "content", "text"})
 
 _STRUCTURED = "the guided_* fields; use structured_outputs (json, regex, choice, grammar) or response_format"
 # field -> (values that mean "off" and are accepted, what to say when another value is sent)
@@ -61,11 +67,47 @@ def refuse_unsupported(body: Any, unsupported: dict[str, tuple[tuple, str]]) -> 
     return body
 
 
+def _surrogate_at(value: Any, path: str = "") -> str | None:
+    """Where in ``value`` (text, or lists and dicts of it, e.g. a JSON schema) a lone surrogate is, or None."""
+    at = f"{path}, " if path else ""
+    if isinstance(value, str):
+        index = lone_surrogate(value)
+        return None if index < 0 else f"{at}character {index}"
+    if isinstance(value, list | tuple):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        if any(isinstance(key, str) and lone_surrogate(key) >= 0 for key in value):
+            return f"{at}a key"
+        items = ((repr(key), item) for key, item in value.items())
+    else:
+        return None
+    for index, item in items:
+        found = _surrogate_at(item, f"{path}[{index}]")
+        if found is not None:
+            return found
+    return None
+
+
+class CheckedModel(BaseModel):
+    """A request part whose text fields (but the prompt's) must be valid Unicode."""
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name not in _PROMPT_FIELDS and not isinstance(value, BaseModel):
+            where = _surrogate_at(value)
+            if where is not None:
+                raise PydanticCustomError(
+                    "invalid_unicode", "not valid Unicode: a lone surrogate at {where}", {"where": where}
+                )
+        return value
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class JsonSchemaSpec(BaseModel):
+class JsonSchemaSpec(CheckedModel):
     model_config = ConfigDict(populate_by_name=True)
 
     name: str = "response"
@@ -74,12 +116,12 @@ class JsonSchemaSpec(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(CheckedModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
 
 
-class StructuredOutputs(BaseModel):
+class StructuredOutputs(CheckedModel):
     """vLLM's ``structured_outputs``: set one of these."""
 
     model_config = ConfigDict(populate_by_name=True)
@@ -91,7 +133,7 @@ class StructuredOutputs(BaseModel):
     json_object: bool | None = None
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(CheckedModel):
     """Fields completions and chat share."""
 
     model: str | None = None
@@ -125,7 +167,7 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[UInt32] | list[list[UInt32]]
-    logprobs: Annotated[int, Field(ge=0)] | None = None
+    logprobs: UInt32 | None = None  # at most 20: the front door's check, as on gRPC
     echo: bool = False
 
     @model_validator(mode="before")
@@ -134,12 +176,12 @@ class CompletionRequest(SamplingRequest):
         return refuse_unsupported(body, COMPLETION_UNSUPPORTED)
 
 
-class TextPart(BaseModel):
+class TextPart(CheckedModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(CheckedModel):
     role: str
     content: str | list[TextPart] | None = None
 
@@ -153,7 +195,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: Annotated[int, Field(ge=1, lt=2**32)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0)] | None = None
+    top_logprobs: UInt32 | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -161,7 +203,7 @@ class ChatCompletionRequest(SamplingRequest):
         return refuse_unsupported(body, CHAT_UNSUPPORTED)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(CheckedModel):
     """vLLM's /tokenize: ``prompt`` text, or chat ``messages``."""
 
     model: str | None = None
@@ -170,6 +212,6 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(CheckedModel):
     model: str | None = None
     tokens: list[UInt32]

@@ -5,7 +5,9 @@ A matcher's state is a function of the request's output tokens alone: a request 
 rebuilds it from the tokens the NewRequest carries, so its masks (and with them greedy and seeded outputs)
 are the same as if it had never left. Once the text is complete the mask allows only EOS, and the EOS
 sampled next ends the request at the scheduler with finish reason "stop". A matcher that fails (a token
-outside its mask: only possible if every allowed token was also banned) also allows only EOS.
+outside its mask: only possible if every allowed token was also banned; or a spec past the limits every matcher
+runs under, ``structured_output.parser_limits``, which the frontend refuses before it gets here) also allows
+only EOS: a costly spec ends its own request instead of slowing the step of every request in the batch.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ import llguidance
 import torch
 
 from kvgrid.v1 import common_pb2
-from services.common.structured_output import SpecCache, SpecError, build_tokenizer, grammar_for, spec_key
+from services.common.structured_output import (
+    SpecCache,
+    SpecError,
+    build_tokenizer,
+    grammar_for,
+    new_matcher,
+    spec_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +81,7 @@ class GrammarCache:
         except SpecError as exc:  # the frontend rejects these; a matcher in error allows only EOS
             grammar = llguidance.LLMatcher.grammar_from_regex("")
             log.warning("structured output: %s: %s", exc.field, exc)
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        matcher = new_matcher(self._tokenizer, grammar)
         if matcher.is_error():
             log.warning("structured output does not compile: %s", matcher.get_error()[:200])
         self.num_compiled += 1
