@@ -306,3 +306,17 @@ def test_with_tls_ca_file_both_public_ports_ask_for_a_client_certificate(fronten
                     conn.getresponse()
         finally:
             conn.close()
+
+
+def test_a_thousand_idle_connections_are_all_closed_after_the_header_timeout(frontends):
+    """The issue's reproduction: 1,000 connections that never send a byte no longer stay open forever."""
+    server = frontends.guarded
+    idle = [connect(server) for _ in range(1000)]
+    try:
+        deadline = time.monotonic() + HEADER_TIMEOUT + 10
+        still_open = [sock for sock in idle if not closed_within(sock, max(deadline - time.monotonic(), 0.01))]
+        assert not still_open, f"{len(still_open)} of 1000 idle connections still open"
+    finally:
+        for sock in idle:
+            sock.close()
+    wait_until(lambda: request(server, "GET", "/health")[0] == 200, timeout=HEADER_TIMEOUT + 5, what="room again")
