@@ -1,11 +1,23 @@
-# syntax=docker/dockerfile:1
 # kvgrid tokenizer frontend: the public API (gRPC 50051) and /metrics, /health (HTTP 8000).
 # Core dependencies only: no torch, no model files (the tokenizer files come from the worker's handshake).
-#   docker build -f docker/tokenizer.Dockerfile -t kvgrid-tokenizer .
-ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+#   docker build -f docker/tokenizer.Dockerfile -t kvgrid-tokenizer:0.1.0 .
+ARG PYTHON_IMAGE=docker.io/library/python:3.11.13-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
+# The builder's package setup; empty: pip's defaults (PyPI). A build behind a mirror, a proxy or with local
+# wheels passes its own here instead of editing this file (docker/build_images.py passes this machine's).
+# Build args live in this stage only: nothing of them reaches the runtime image.
+ARG PIP_INDEX_URL=
+ARG PIP_EXTRA_INDEX_URL=
+ARG PIP_FIND_LINKS=
+# PEM text of more CAs to trust (a TLS-intercepting proxy's): --build-arg EXTRA_CA_CERT="$(cat ca.pem)"
+ARG EXTRA_CA_CERT=
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN if [ -n "$EXTRA_CA_CERT" ]; then \
+      printf '%s\n' "$EXTRA_CA_CERT" > /usr/local/share/ca-certificates/build-extra.crt \
+      && update-ca-certificates >/dev/null \
+      && printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > /etc/pip.conf; \
+    fi
 RUN python -m venv /opt/kvgrid
 WORKDIR /src
 COPY pyproject.toml README.md ./

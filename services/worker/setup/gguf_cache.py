@@ -17,11 +17,10 @@ import hashlib
 import logging
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
-from services.worker.setup.cache_dir import cache_root
+from services.worker.setup.cache_dir import cache_root, match_dir_modes, new_sibling_dir
 from services.worker.setup.loader import ModelLoadError, ModelSource, iter_weights, load_tokenizer, read_config
 
 log = logging.getLogger(__name__)
@@ -61,7 +60,11 @@ def cached_source(source: ModelSource, root: Path | None = None) -> ModelSource:
 
 
 def convert(source: ModelSource, target: Path) -> None:
-    """Write the HF directory into a temporary sibling, then rename it into place (atomic for readers)."""
+    """Write the HF directory into a temporary sibling, then rename it into place (atomic for readers).
+
+    The entry gets the umask's modes, not private ones, so a cache written at image build time (as
+    root) is readable by the user the image runs as.
+    """
     from safetensors.torch import save_file
 
     hf_config, _ = read_config(source)
@@ -71,12 +74,13 @@ def convert(source: ModelSource, target: Path) -> None:
     except Exception as exc:
         raise ModelLoadError(f"cannot load the weights of {source.path!r}: {exc}") from exc
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    tmp = new_sibling_dir(target.parent, prefix=f".{target.name}-")
     try:
         hf_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         save_file(tensors, str(tmp / "model.safetensors"))
         (tmp / DONE_MARKER).write_text(f"{source.path}\n")
+        match_dir_modes(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
