@@ -32,10 +32,12 @@ class FakeTextGeneration(generate_pb2_grpc.TextGenerationServicer):
         self.cancelled = threading.Event()  # an endless stream ended because its client went away
 
     def _endless(self, context):
+        # Called however the RPC ends (here: only by the client going away); the generator itself may never be
+        # resumed after a cancel, so code after its loop would not run.
+        context.add_callback(self.cancelled.set)
         while context.is_active():
             yield generate_pb2.GenerateResponse(text="word ", token_ids=[300])
             time.sleep(0.01)
-        self.cancelled.set()
 
     def _stream(self, request, context):
         self.requests.append(request)
