@@ -120,3 +120,27 @@ def test_a_bad_plan_fails_the_stream_after_the_results_before_it(setup):
         return await call.read()
 
     assert asyncio.run(_with_stream(config, core, again)).sampled[0].request_id == "b"
+
+
+def test_an_unparsable_plan_from_the_scheduler_that_handshook_is_invalid_argument(setup):
+    """Strangers are refused before their plans are read (tests/e2e/test_unparsable.py); the scheduler's own
+    corrupt message still gets the one-line INVALID_ARGUMENT every service answers."""
+    config, core = setup
+
+    async def body():
+        worker = await start_worker(config, 0, core=core)
+        try:
+            async with insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+                await worker_pb2_grpc.WorkerStub(channel).Handshake(worker_pb2.HandshakeRequest(scheduler_id="t"))
+                raw = channel.stream_stream("/kvgrid.v1.Worker/Execute", request_serializer=None)
+                call = raw()
+                await call.write(b"\x0a\x40abc")  # field 1 claims 64 bytes, 3 follow
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await call.read()
+                return err.value
+        finally:
+            await worker.stop(None)
+
+    error = asyncio.run(body())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert "cannot be parsed" in error.details() and "\n" not in error.details()
