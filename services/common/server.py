@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -73,6 +74,15 @@ class Health:
             task = asyncio.get_running_loop().create_task(self._servicer.set(name, status))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
+
+
+def shutdown_requested() -> asyncio.Event:
+    """An event set on the first SIGTERM or SIGINT: every service's process waits on it, then drains."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 def add_reflection(server: grpc.aio.Server, service_names: list[str]) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from dataclasses import dataclass
 
@@ -15,7 +14,7 @@ import grpc
 from kvgrid.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.common.config import Config
 from services.common.logs import setup_logging
-from services.common.server import Health, add_reflection, bind, new_server
+from services.common.server import Health, add_reflection, bind, new_server, shutdown_requested
 from services.common.tls import describe_internal, internal_tls, server_credentials
 from services.common.tracing import setup_tracing, shutdown_tracing
 from services.scheduler.engine import Engine
@@ -80,10 +79,7 @@ async def serve(config: Config) -> int:
     except (OSError, ValueError) as e:  # a port in use, an unreadable certificate
         log.error("cannot start the scheduler: %s", e)
         return 1
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
+    stopping = shutdown_requested()
     await stopping.wait()
     grace = config.lifecycle.shutdown_grace
     log.info("stopping: NOT_SERVING, refusing new requests, finishing live ones for up to %gs", grace)

@@ -62,7 +62,6 @@ class EngineRequest:
     sampling: common_pb2.SamplingParams  # as the client asked (stop strings kept: the output path applies them)
     max_tokens: int  # max_tokens resolved and capped so that prompt + output fits the model
     prompt_text: str | None = None  # the prompt as text, when it was given as text
-    choice_index: int = 0  # which of a request's n choices (OpenAI's ``n``, prompts of a batch)
 
     def scheduler_sampling(self) -> common_pb2.SamplingParams:
         """The sampling params the scheduler gets: max_tokens explicit, stop strings left to the frontend."""
@@ -73,9 +72,9 @@ class EngineRequest:
         out.min_tokens = min(self.sampling.min_tokens, self.max_tokens)
         return out
 
-    def with_sampling(self, request_id: str, sampling: common_pb2.SamplingParams, index: int) -> EngineRequest:
+    def with_sampling(self, request_id: str, sampling: common_pb2.SamplingParams) -> EngineRequest:
         """The same prompt as another choice (its own id and, for a seeded request, its own seed)."""
-        return EngineRequest(request_id, self.prompt_ids, sampling, self.max_tokens, self.prompt_text, index)
+        return EngineRequest(request_id, self.prompt_ids, sampling, self.max_tokens, self.prompt_text)
 
 
 @dataclass(slots=True)

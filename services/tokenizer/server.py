@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from dataclasses import dataclass
 
 import grpc
@@ -15,7 +14,7 @@ from kvgrid.v1 import generate_pb2_grpc
 from services.common.auth import ApiKeyInterceptor, ApiKeys
 from services.common.config import Config, HttpConfig, LimitsConfig, RoutingConfig, SecurityConfig
 from services.common.logs import setup_logging
-from services.common.server import Health, add_reflection, bind, new_server
+from services.common.server import Health, add_reflection, bind, new_server, shutdown_requested
 from services.common.tls import (
     describe_internal,
     describe_public,
@@ -150,10 +149,7 @@ async def _serve(config: Config) -> int:
     except (OSError, ValueError) as e:
         log.error("cannot start the tokenizer frontend: %s", e)
         return 1
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = shutdown_requested()
     await stop.wait()
     grace = config.lifecycle.shutdown_grace
     log.info("shutting down: NOT_SERVING, refusing new requests, finishing running streams for up to %gs", grace)

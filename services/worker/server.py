@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from kvgrid.v1 import worker_pb2, worker_pb2_grpc
 from services.common import tracing
 from services.common.config import Config
 from services.common.logs import setup_logging
-from services.common.server import Health, add_reflection, bind, new_server
+from services.common.server import Health, add_reflection, bind, new_server, shutdown_requested
 from services.common.tls import describe_internal, internal_tls, server_credentials
 from services.worker.core import WorkerCore, build_core
 from services.worker.metrics import WorkerMetrics
@@ -130,10 +129,7 @@ async def _serve(config: Config) -> int:
     metrics = WorkerMetrics(config.model.name)
     metrics.serve(config.network.worker_metrics_port, config.network.host)
     log.info("worker /metrics on %s:%d (plain HTTP, open)", config.network.host, config.network.worker_metrics_port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = shutdown_requested()
     worker = await start_worker(config, config.network.worker_port, metrics)
     await stop.wait()
     grace = config.lifecycle.shutdown_grace

@@ -92,7 +92,7 @@ def plan_choices(request_id: str, prompts: list[EngineRequest], n: int) -> list[
             if params.HasField("seed"):
                 params.seed = (params.seed + j) & _MASK64
             rid = request_id if len(prompts) * n == 1 else f"{request_id}-{index}"
-            choices.append(Choice(index, i, prompt.with_sampling(rid, params, index), leader=j == 0))
+            choices.append(Choice(index, i, prompt.with_sampling(rid, params), leader=j == 0))
     return choices
 
 
