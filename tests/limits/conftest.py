@@ -10,11 +10,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import grpc
 import pytest
 
-from kvgrid.v1 import generate_pb2, generate_pb2_grpc
-from tests.tokenizer.conftest import LoopThread, Stack, frontend_config, handshake, smollm, wait_until  # noqa: F401
+from kvgrid.v1 import generate_pb2
+from tests.tokenizer.conftest import frontend_stack, handshake, smollm, wait_until  # noqa: F401
 from tests.tokenizer.fake_scheduler import Script
 
 MAX_MODEL_LEN = 8192  # SmolLM2-135M-Instruct's
@@ -24,21 +23,10 @@ NEIGHBOUR_STEP_S = 0.01  # the fake scheduler's pause between the neighbour's to
 
 @pytest.fixture(scope="module")
 def stack(smollm):  # noqa: F811 - the session fixture imported above
-    from services.tokenizer.server import start_tokenizer
-    from tests.tokenizer.fake_scheduler import start_fake_scheduler
-
     info = handshake(smollm.files)
     info.max_model_len = MAX_MODEL_LEN
-    loop = LoopThread()
-    sched_server, fake, health, port = loop.run(start_fake_scheduler(info))
-    frontend = loop.run(start_tokenizer(frontend_config(f"127.0.0.1:{port}")))
-    wait_until(lambda: frontend.state.serving, what="the frontend to serve")
-    channel = grpc.insecure_channel(f"127.0.0.1:{frontend.port}")
-    yield Stack(loop, fake, health, frontend, channel, generate_pb2_grpc.TextGenerationStub(channel))
-    channel.close()
-    loop.run(frontend.stop(0))
-    loop.run(sched_server.stop(0))
-    loop.close()
+    with frontend_stack(info) as running:
+        yield running
 
 
 def post(stack, path: str, body: dict | bytes, timeout: float = 60) -> tuple[int, dict]:

@@ -7,6 +7,7 @@ blocking gRPC clients, as a user would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -107,11 +108,18 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(smollm):
+    with frontend_stack(handshake(smollm.files)) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def frontend_stack(info: worker_pb2.HandshakeResponse):
+    """A frontend in front of the fake scheduler, which hands out ``info``; stopped after the ``with``."""
     from services.tokenizer.server import start_tokenizer
     from tests.tokenizer.fake_scheduler import start_fake_scheduler
 
     loop = LoopThread()
-    sched_server, fake, health, port = loop.run(start_fake_scheduler(handshake(smollm.files)))
+    sched_server, fake, health, port = loop.run(start_fake_scheduler(info))
     frontend = loop.run(start_tokenizer(frontend_config(f"127.0.0.1:{port}")))
     wait_until(lambda: frontend.state.serving, what="the frontend to serve")
     channel = grpc.insecure_channel(f"127.0.0.1:{frontend.port}")
