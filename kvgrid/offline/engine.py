@@ -17,6 +17,7 @@ from services.scheduler.core import SchedulerCore, StepCounters
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestOutput, Scheduler
 from services.worker.core import WorkerCore
+from services.worker.sampling import prompt_logprobs
 
 # What LLM.stats() returns: the scheduler core's counters since the LLM was built.
 EngineStats = StepCounters
@@ -56,10 +57,12 @@ class OfflineEngine:
         plan = plan_to_proto(out)
         self.core.check_plan(plan)
         started = time.perf_counter()
-        rows, num_failed = self.core.execute(plan, self.states.apply(plan))
+        scheduled = self.states.apply(plan)
+        rows, num_failed = self.core.execute(plan, scheduled)
         seconds = time.perf_counter() - started
         sampled = [(r.request.request_id, r.token_id, r.logprob) for r in rows]
-        return self.scheduler_core.finish_step(out, sampled, seconds, num_failed)
+        scored = [(c.request_id, c.start, list(c.logprobs)) for c in prompt_logprobs.take(scheduled)]
+        return self.scheduler_core.finish_step(out, sampled, seconds, num_failed, scored)
 
     def stats(self) -> EngineStats:
         return self.scheduler_core.counters()

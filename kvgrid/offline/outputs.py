@@ -41,6 +41,29 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
+class Logprob:
+    """vLLM's Logprob: one token's log-probability at a position, its rank there (1: the most likely), its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# Per prompt position: token id -> Logprob, for the prompt's own token and the top alternatives; None at position 0.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+def prompt_logprobs_from_proto(entries) -> PromptLogprobs:
+    """vLLM's shape of ``RequestOutput.prompt_logprobs`` from the PromptLogprob messages of positions 1, 2, ..."""
+    out: PromptLogprobs = [None]
+    for entry in entries:
+        position = {t.token_id: Logprob(t.logprob, rank, t.token) for rank, t in enumerate(entry.top, 1)}
+        position[entry.token_id] = Logprob(entry.logprob, entry.rank, entry.token)
+        out.append(position)
+    return out
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """One finished request."""
 
@@ -54,6 +77,8 @@ class RequestOutput:
     num_completion_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] | None  # one per token id when SamplingParams.logprobs > 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (vLLM's shape, None first), else None.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class OutputCollector:
@@ -90,4 +115,9 @@ def request_output(request: EngineRequest, response: generate_pb2.GenerateRespon
         num_completion_tokens=usage.completion_tokens,
         num_cached_tokens=usage.cached_prompt_tokens,
         logprobs=[TokenLogprob.from_proto(lp) for lp in response.logprobs] if request.sampling.logprobs else None,
+        prompt_logprobs=(
+            prompt_logprobs_from_proto(response.prompt_logprobs)
+            if request.sampling.HasField("prompt_logprobs")
+            else None
+        ),
     )

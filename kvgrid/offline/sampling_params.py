@@ -37,6 +37,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int = 0  # top alternatives returned per sampled token (0: no logprobs)
     include_special_tokens: bool = False
+    # vLLM's prompt_logprobs: top alternatives returned per prompt token (0: the token alone; None: no prompt logprobs)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,6 +49,8 @@ class SamplingParams:
         for name in _UNSIGNED:
             if getattr(self, name) < 0:
                 raise ValueError(f"sampling.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"sampling.prompt_logprobs: must be >= 0 or None, got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"sampling.seed: must be in [0, 2**64), got {self.seed}")
         if any(t < 0 for t in self.stop_token_ids):
@@ -55,7 +59,7 @@ class SamplingParams:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None:
-                continue  # seed: unset
+                continue  # seed, prompt_logprobs: unset
             try:
                 if isinstance(value, list | tuple):
                     getattr(msg, f.name).extend(value)

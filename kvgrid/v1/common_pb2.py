@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvgrid/v1/common.proto\x12\tkvgrid.v1\"\xe0\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x10\n\x08logprobs\x18\x0e \x01(\r\x12\x1e\n\x16include_special_tokens\x18\x0f \x01(\x08\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x12 \x01(\x0b\x32\x12.kvgrid.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x13 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x42\x13\n\x11structured_outputB\x07\n\x05_seed\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.kvgrid.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x42\x94\x01\n\x0cio.kvgrid.v1B\x0b\x43ommonProtoP\x01Z2github.com/kvgrid/kvgrid/gen/go/kvgrid/v1;kvgridv1\xa2\x02\x03KVG\xaa\x02\tKvgrid.V1\xca\x02\tKvgrid\\V1\xe2\x02\x15Kvgrid\\V1\\GPBMetadata\xea\x02\nKvgrid::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvgrid/v1/common.proto\x12\tkvgrid.v1\"\x92\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x02\x12\x10\n\x08logprobs\x18\x0e \x01(\r\x12\x1e\n\x16include_special_tokens\x18\x0f \x01(\x08\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x12 \x01(\x0b\x32\x12.kvgrid.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x13 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x14 \x01(\x08H\x00\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\x02\x88\x01\x01\x42\x13\n\x11structured_outputB\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"s\n\rPromptLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.kvgrid.v1.TopLogprob\x12\r\n\x05token\x18\x05 \x01(\t\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.kvgrid.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x42\x94\x01\n\x0cio.kvgrid.v1B\x0b\x43ommonProtoP\x01Z2github.com/kvgrid/kvgrid/gen/go/kvgrid/v1;kvgridv1\xa2\x02\x03KVG\xaa\x02\tKvgrid.V1\xca\x02\tKvgrid\\V1\xe2\x02\x15Kvgrid\\V1\\GPBMetadata\xea\x02\nKvgrid::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,16 +32,18 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvgrid.v1.common_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\014io.kvgrid.v1B\013CommonProtoP\001Z2github.com/kvgrid/kvgrid/gen/go/kvgrid/v1;kvgridv1\242\002\003KVG\252\002\tKvgrid.V1\312\002\tKvgrid\\V1\342\002\025Kvgrid\\V1\\GPBMetadata\352\002\nKvgrid::V1'
-  _globals['_FINISHREASON']._serialized_start=803
-  _globals['_FINISHREASON']._serialized_end=923
+  _globals['_FINISHREASON']._serialized_start=970
+  _globals['_FINISHREASON']._serialized_end=1090
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=518
-  _globals['_CHOICES']._serialized_start=520
-  _globals['_CHOICES']._serialized_end=546
-  _globals['_USAGE']._serialized_start=548
-  _globals['_USAGE']._serialized_end=635
-  _globals['_TOPLOGPROB']._serialized_start=637
-  _globals['_TOPLOGPROB']._serialized_end=699
-  _globals['_TOKENLOGPROB']._serialized_start=701
-  _globals['_TOKENLOGPROB']._serialized_end=801
+  _globals['_SAMPLINGPARAMS']._serialized_end=568
+  _globals['_CHOICES']._serialized_start=570
+  _globals['_CHOICES']._serialized_end=596
+  _globals['_USAGE']._serialized_start=598
+  _globals['_USAGE']._serialized_end=685
+  _globals['_TOPLOGPROB']._serialized_start=687
+  _globals['_TOPLOGPROB']._serialized_end=749
+  _globals['_PROMPTLOGPROB']._serialized_start=751
+  _globals['_PROMPTLOGPROB']._serialized_end=866
+  _globals['_TOKENLOGPROB']._serialized_start=868
+  _globals['_TOKENLOGPROB']._serialized_end=968
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvgrid.v1 import common_pb2 as kvgrid_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvgrid/v1/generate.proto\x12\tkvgrid.v1\x1a\x16kvgrid/v1/common.proto\"|\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\x0b\x43hatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvgrid.v1.ChatMessage\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\xaa\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.kvgrid.v1.Usage\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvgrid.v1.TokenLogprob\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"e\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.kvgrid.v1.ChatMessage\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"F\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1e\n\x16include_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xa6\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t2\xec\x02\n\x0eTextGeneration\x12\x45\n\x08Generate\x12\x1a.kvgrid.v1.GenerateRequest\x1a\x1b.kvgrid.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.kvgrid.v1.ChatRequest\x1a\x1b.kvgrid.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.kvgrid.v1.TokenizeRequest\x1a\x1b.kvgrid.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.kvgrid.v1.DetokenizeRequest\x1a\x1d.kvgrid.v1.DetokenizeResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvgrid.v1.GetModelInfoRequest\x1a\x14.kvgrid.v1.ModelInfoB\x96\x01\n\x0cio.kvgrid.v1B\rGenerateProtoP\x01Z2github.com/kvgrid/kvgrid/gen/go/kvgrid/v1;kvgridv1\xa2\x02\x03KVG\xaa\x02\tKvgrid.V1\xca\x02\tKvgrid\\V1\xe2\x02\x15Kvgrid\\V1\\GPBMetadata\xea\x02\nKvgrid::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvgrid/v1/generate.proto\x12\tkvgrid.v1\x1a\x16kvgrid/v1/common.proto\"|\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\x0b\x43hatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvgrid.v1.ChatMessage\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\xdd\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.kvgrid.v1.Usage\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvgrid.v1.TokenLogprob\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.kvgrid.v1.PromptLogprob\"e\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.kvgrid.v1.ChatMessage\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"F\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1e\n\x16include_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xa6\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t2\xec\x02\n\x0eTextGeneration\x12\x45\n\x08Generate\x12\x1a.kvgrid.v1.GenerateRequest\x1a\x1b.kvgrid.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.kvgrid.v1.ChatRequest\x1a\x1b.kvgrid.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.kvgrid.v1.TokenizeRequest\x1a\x1b.kvgrid.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.kvgrid.v1.DetokenizeRequest\x1a\x1d.kvgrid.v1.DetokenizeResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvgrid.v1.GetModelInfoRequest\x1a\x14.kvgrid.v1.ModelInfoB\x96\x01\n\x0cio.kvgrid.v1B\rGenerateProtoP\x01Z2github.com/kvgrid/kvgrid/gen/go/kvgrid/v1;kvgridv1\xa2\x02\x03KVG\xaa\x02\tKvgrid.V1\xca\x02\tKvgrid\\V1\xe2\x02\x15Kvgrid\\V1\\GPBMetadata\xea\x02\nKvgrid::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,19 +40,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATREQUEST']._serialized_start=235
   _globals['_CHATREQUEST']._serialized_end=355
   _globals['_GENERATERESPONSE']._serialized_start=358
-  _globals['_GENERATERESPONSE']._serialized_end=528
-  _globals['_TOKENIZEREQUEST']._serialized_start=530
-  _globals['_TOKENIZEREQUEST']._serialized_end=631
-  _globals['_TOKENIZERESPONSE']._serialized_start=633
-  _globals['_TOKENIZERESPONSE']._serialized_end=686
-  _globals['_DETOKENIZEREQUEST']._serialized_start=688
-  _globals['_DETOKENIZEREQUEST']._serialized_end=758
-  _globals['_DETOKENIZERESPONSE']._serialized_start=760
-  _globals['_DETOKENIZERESPONSE']._serialized_end=794
-  _globals['_GETMODELINFOREQUEST']._serialized_start=796
-  _globals['_GETMODELINFOREQUEST']._serialized_end=817
-  _globals['_MODELINFO']._serialized_start=820
-  _globals['_MODELINFO']._serialized_end=986
-  _globals['_TEXTGENERATION']._serialized_start=989
-  _globals['_TEXTGENERATION']._serialized_end=1353
+  _globals['_GENERATERESPONSE']._serialized_end=579
+  _globals['_TOKENIZEREQUEST']._serialized_start=581
+  _globals['_TOKENIZEREQUEST']._serialized_end=682
+  _globals['_TOKENIZERESPONSE']._serialized_start=684
+  _globals['_TOKENIZERESPONSE']._serialized_end=737
+  _globals['_DETOKENIZEREQUEST']._serialized_start=739
+  _globals['_DETOKENIZEREQUEST']._serialized_end=809
+  _globals['_DETOKENIZERESPONSE']._serialized_start=811
+  _globals['_DETOKENIZERESPONSE']._serialized_end=845
+  _globals['_GETMODELINFOREQUEST']._serialized_start=847
+  _globals['_GETMODELINFOREQUEST']._serialized_end=868
+  _globals['_MODELINFO']._serialized_start=871
+  _globals['_MODELINFO']._serialized_end=1037
+  _globals['_TEXTGENERATION']._serialized_start=1040
+  _globals['_TEXTGENERATION']._serialized_end=1404
 # @@protoc_insertion_point(module_scope)

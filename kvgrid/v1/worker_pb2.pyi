@@ -89,7 +89,7 @@ class KvTierBlock(_message.Message):
     def __init__(self, block_id: _Optional[int] = ..., host_slot: _Optional[int] = ..., redis_key: _Optional[str] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "trace_context", "kv_loads")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "trace_context", "kv_loads", "num_prompt_logprobs_done")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class NewRequest(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     KV_LOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_LOGPROBS_DONE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -115,7 +116,8 @@ class NewRequest(_message.Message):
     num_scheduled_tokens: int
     trace_context: _containers.ScalarMap[str, str]
     kv_loads: _containers.RepeatedCompositeFieldContainer[KvTierBlock]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., kv_loads: _Optional[_Iterable[_Union[KvTierBlock, _Mapping]]] = ...) -> None: ...
+    num_prompt_logprobs_done: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., kv_loads: _Optional[_Iterable[_Union[KvTierBlock, _Mapping]]] = ..., num_prompt_logprobs_done: _Optional[int] = ...) -> None: ...
 
 class RunningRequest(_message.Message):
     __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens")
@@ -154,13 +156,25 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "execute_seconds", "num_kv_load_failed_tokens")
+    __slots__ = ("step_id", "sampled", "execute_seconds", "num_kv_load_failed_tokens", "prompt_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_LOAD_FAILED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_seconds: float
     num_kv_load_failed_tokens: int
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., num_kv_load_failed_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., num_kv_load_failed_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("request_id", "start", "logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    start: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptLogprob, _Mapping]]] = ...) -> None: ...

@@ -62,6 +62,8 @@ def check_sampling_fields(s: common_pb2.SamplingParams, max_model_len: int, voca
         raise InvalidArgument("sampling.repetition_penalty", f"must be > 0 (0 means 1), got {s.repetition_penalty:g}")
     if s.logprobs > MAX_LOGPROBS:
         raise InvalidArgument("sampling.logprobs", f"at most {MAX_LOGPROBS}, got {s.logprobs}")
+    if s.HasField("prompt_logprobs") and s.prompt_logprobs > MAX_LOGPROBS:
+        raise InvalidArgument("sampling.prompt_logprobs", f"at most {MAX_LOGPROBS}, got {s.prompt_logprobs}")
     if s.max_tokens > max_model_len:
         raise InvalidArgument(
             "sampling.max_tokens", f"{s.max_tokens} exceeds the model's maximum length of {max_model_len} tokens"

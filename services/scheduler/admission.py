@@ -65,4 +65,5 @@ def admit(msg: scheduler_pb2.SubmitRequest, limits: AdmissionLimits, live: Conta
         sampling=msg.sampling,
         priority=msg.priority,
         arrival_time=time.monotonic(),
+        wants_prompt_logprobs=msg.sampling.HasField("prompt_logprobs"),
     )

@@ -41,6 +41,7 @@ def plan_to_proto(out: SchedulerOutput) -> worker_pb2.StepPlan:
                 num_scheduled_tokens=new.num_scheduled_tokens,
                 trace_context=request.trace_context,
                 kv_loads=[tier_block_to_proto(load) for load in new.kv_loads],
+                num_prompt_logprobs_done=request.num_prompt_logprobs,
             )
         )
     running = plan.running
@@ -70,10 +71,17 @@ def sampled_from_proto(result: worker_pb2.StepResult, want_logprobs: bool = True
     ]
 
 
+def prompt_logprobs_from_proto(result: worker_pb2.StepResult) -> list[tuple]:
+    """(request_id, start, entries) per request the step scored prompt tokens of."""
+    return [(chunk.request_id, chunk.start, list(chunk.logprobs)) for chunk in result.prompt_logprobs]
+
+
 def add_output(response: scheduler_pb2.SubmitResponse, output: RequestOutput) -> None:
     """Append one sampled token (and its logprob and finish reason, if any) to a request's delta."""
     response.token_ids.append(output.token_id)
     if output.logprob is not None:
         response.logprobs.append(output.logprob)
+    if output.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(output.prompt_logprobs)
     if output.finish is not None:
         response.finish_reason = FINISH_REASONS[output.finish]

@@ -21,6 +21,7 @@ from services.scheduler.block_pool import BlockPool
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_tiers import build_tiers
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.prompt_logprobs import PromptLogprobsChunk
 from services.scheduler.scheduler import RequestOutput, Scheduler, SchedulerLimits, SchedulerOutput
 
 
@@ -94,16 +95,17 @@ class SchedulerCore:
         sampled: Iterable[tuple[str, int, Any]],
         execute_seconds: float,
         num_kv_load_failed_tokens: int = 0,
+        prompt_logprobs: Iterable[PromptLogprobsChunk] = (),
     ) -> list[RequestOutput]:
         """The worker ran ``out`` in ``execute_seconds`` and sampled ``(request_id, token_id, logprob)`` rows,
-        computing ``num_kv_load_failed_tokens`` of its KV tier loads instead; returns the tokens with finish
-        states. Plans must be finished in the order they were planned."""
+        computing ``num_kv_load_failed_tokens`` of its KV tier loads instead, and scored ``prompt_logprobs``;
+        returns the tokens with finish states. Plans must be finished in the order they were planned."""
         scheduler = self.scheduler
         self.num_steps += out.num_steps
         scheduler.plan_steps.record(out, execute_seconds)
         if num_kv_load_failed_tokens and scheduler.tiers is not None:
             scheduler.tiers.record_failed_loads(num_kv_load_failed_tokens, out.kv_loads())
-        outputs = scheduler.update_from_output(out, sampled)
+        outputs = scheduler.update_from_output(out, sampled, prompt_logprobs)
         if self.metrics is not None:
             self.metrics.record_state(scheduler)
         return outputs

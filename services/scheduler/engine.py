@@ -32,7 +32,7 @@ from services.common.config import Config
 from services.common.errors import ResourceExhausted, Unavailable
 from services.scheduler import plan_steps
 from services.scheduler.admission import admit
-from services.scheduler.convert import plan_to_proto, sampled_from_proto
+from services.scheduler.convert import plan_to_proto, prompt_logprobs_from_proto, sampled_from_proto
 from services.scheduler.core import SchedulerCore, StepCounters
 from services.scheduler.frontends import FrontendRequest, FrontendStream
 from services.scheduler.kv_events import KvEventLog
@@ -318,7 +318,9 @@ class Engine:
                 if result.step_id != out.step_id:
                     raise WorkerProtocolError(f"result for step {result.step_id}, expected {out.step_id}")
                 sampled = sampled_from_proto(result)
-                self._deliver(core.finish_step(out, sampled, result.execute_seconds, result.num_kv_load_failed_tokens))
+                prompt_logprobs = prompt_logprobs_from_proto(result) if result.prompt_logprobs else ()
+                failed = result.num_kv_load_failed_tokens
+                self._deliver(core.finish_step(out, sampled, result.execute_seconds, failed, prompt_logprobs))
         finally:
             call.cancel()
 

@@ -66,6 +66,8 @@ class FrontendRequest:
         delta.token_ids.append(output.token_id)
         if output.logprob is not None:
             delta.logprobs.append(output.logprob)
+        if output.prompt_logprobs is not None:
+            delta.prompt_logprobs.extend(output.prompt_logprobs)
         if output.finish is not None:
             delta.finish_reason = FINISH_REASONS[output.finish]
             self._end()

@@ -64,6 +64,11 @@ class Request:
     # Tokens planned to be sampled whose ids are not back yet (0 or 1 in sync mode between steps, up to 2 with
     # async scheduling). The next plan counts them as known: the worker computes the token it sampled itself.
     num_output_placeholders: int = 0
+    # SamplingParams.prompt_logprobs is set; how many prompt positions (from 1) have their logprob here, and
+    # those not handed on yet (see services.scheduler.prompt_logprobs).
+    wants_prompt_logprobs: bool = False
+    num_prompt_logprobs: int = 0
+    prompt_logprobs: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

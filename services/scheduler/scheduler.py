@@ -31,6 +31,9 @@ from typing import Any
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_tiers import KvTiers, TierBlock
 from services.scheduler.plan_steps import PlanSteps
+from services.scheduler.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsError, needs_prompt_logprobs
+from services.scheduler.prompt_logprobs import accept as accept_prompt_logprobs
+from services.scheduler.prompt_logprobs import take as take_prompt_logprobs
 from services.scheduler.queues import make_waiting_queue
 from services.scheduler.request import Request, RequestStatus
 
@@ -105,6 +108,8 @@ class RequestOutput:
     token_id: int
     logprob: Any = None
     finish: RequestStatus | None = None
+    # The request's prompt logprobs (SamplingParams.prompt_logprobs), on its first token only.
+    prompt_logprobs: list[Any] | None = None
 
 
 class Scheduler:
@@ -237,9 +242,10 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             request = self.waiting.peek()
-            hit_blocks, num_hit = self.kv.get_computed_blocks(request)
+            readable = not needs_prompt_logprobs(request)  # a prompt being scored is computed whole
+            hit_blocks, num_hit = self.kv.get_computed_blocks(request) if readable else ([], 0)
             loads: list[TierBlock] = []
-            if self.tiers is not None:
+            if self.tiers is not None and readable:
                 loads = self.tiers.lookup(request, len(hit_blocks))
                 self.tiers.pin(request, len(hit_blocks), loads)
             num_loaded = len(loads) * self.kv.block_size
@@ -314,8 +320,14 @@ class Scheduler:
             self._next_arrival = max(self._next_arrival, request.arrival_seq + 1)
         return rejected
 
-    def update_from_output(self, out: SchedulerOutput, sampled: Iterable[tuple[str, int, Any]]) -> list[RequestOutput]:
+    def update_from_output(
+        self,
+        out: SchedulerOutput,
+        sampled: Iterable[tuple[str, int, Any]],
+        prompt_logprobs: Iterable[PromptLogprobsChunk] = (),
+    ) -> list[RequestOutput]:
         """Apply a step's sampled tokens ``(request_id, token_id, logprob)``; returns them with finish states.
+        The step's prompt logprobs gather on their requests first, and leave with each request's first token.
 
         A token is kept only for the very request object the plan sampled for, still running: a request aborted,
         preempted or finished (one step late, under async scheduling) while the step ran loses its token, and
@@ -328,6 +340,13 @@ class Scheduler:
                 tokens[request_id] = [(token_id, logprob)]
             else:
                 samples.append((token_id, logprob))
+        if prompt_logprobs:
+            plans = (*out.new_requests, *out.running)
+            planned = {plan.request.request_id: plan.request for plan in plans}
+            try:
+                accept_prompt_logprobs(planned, self.requests, prompt_logprobs)
+            except PromptLogprobsError as e:
+                raise WorkerProtocolError(f"step {out.step_id}: {e}") from None
         num_steps = out.num_steps
         results = []
         num_finished = 0
@@ -355,6 +374,8 @@ class Scheduler:
                     request.all_token_ids.append(token_id)
                     finish = self._check_stop(request, token_id)
                     results.append(RequestOutput(request, token_id, logprob, finish))
+                    if request.prompt_logprobs:
+                        results[-1].prompt_logprobs = take_prompt_logprobs(request)
                     if finish is not None:
                         break  # the tokens the plan sampled after the stop are discarded
                 cache(request)

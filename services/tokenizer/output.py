@@ -9,11 +9,14 @@ finish_reason and usage.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 from kvgrid.v1 import common_pb2, generate_pb2, scheduler_pb2
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.stop_strings import StopStringMatcher
 from services.tokenizer.text_tokenizer import TextTokenizer
+
+_Logprob = TypeVar("_Logprob", common_pb2.TokenLogprob, common_pb2.PromptLogprob)
 
 FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -80,6 +83,8 @@ class OutputProcessor:
         out = generate_pb2.GenerateResponse(text=text, token_ids=token_ids, request_id=self.request_id)
         if logprobs:
             out.logprobs.extend(self._named_logprob(logprob) for logprob in logprobs)
+        if delta.prompt_logprobs:
+            out.prompt_logprobs.extend(self._named_logprob(logprob) for logprob in delta.prompt_logprobs)
         if finish:
             out.finish_reason = finish
             out.usage.CopyFrom(self.usage())
@@ -107,8 +112,8 @@ class OutputProcessor:
             cached_prompt_tokens=self.num_cached_tokens,
         )
 
-    def _named_logprob(self, logprob: common_pb2.TokenLogprob) -> common_pb2.TokenLogprob:
-        out = common_pb2.TokenLogprob()
+    def _named_logprob(self, logprob: _Logprob) -> _Logprob:
+        out = type(logprob)()
         out.CopyFrom(logprob)
         out.token = self._tokenizer.token_text(logprob.token_id)
         for top in out.top:
@@ -126,6 +131,7 @@ def merge(responses: list[generate_pb2.GenerateResponse | None]) -> generate_pb2
         out.text += more.text
         out.token_ids.extend(more.token_ids)
         out.logprobs.extend(more.logprobs)
+        out.prompt_logprobs.extend(more.prompt_logprobs)
         if more.finish_reason:
             out.finish_reason = more.finish_reason
             out.usage.CopyFrom(more.usage)

@@ -12,6 +12,7 @@ from services.worker.attention.base import AttentionMetadata
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.request_state import RequestState
+from services.worker.sampling.prompt_logprobs import PromptRows
 from services.worker.sampling.request_sampling import RequestSampling
 from services.worker.sampling.sampler import Sampler
 
@@ -24,6 +25,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # [R] int64, the last row of each request that samples
     sampling_requests: list[RequestState]  # row i of the logits belongs to sampling_requests[i]
     batch: list[RequestState]  # in the order of the flat batch (decodes first)
+    prompt_rows: PromptRows | None = None  # rows that score prompt tokens (SamplingParams.prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -77,9 +79,12 @@ class ModelRunner:
         tables: list[list[int]] = []
         logits_indices: list[int] = []
         sampling_requests: list[RequestState] = []
+        prompt_rows = PromptRows()
         for r in batch:
             start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_scheduled_tokens
             blocks = r.block_ids
+            if r.prompt_logprobs >= 0:
+                prompt_rows.add(r, len(input_ids), start, end)
             input_ids += r.token_ids[start:end]
             positions += range(start, end)
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
@@ -109,6 +114,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
             sampling_requests=sampling_requests,
             batch=batch,
+            prompt_rows=prompt_rows or None,
         )
 
     @torch.inference_mode()
@@ -116,9 +122,17 @@ class ModelRunner:
         if self.step_listener is not None:
             self.step_listener(inputs)
         graphs, meta = self.graphs, inputs.meta
-        if graphs is not None and graphs.takes(meta) and len(inputs.sampling_requests) == meta.num_seqs:
+        prompt_rows = inputs.prompt_rows
+        if (
+            graphs is not None
+            and prompt_rows is None
+            and graphs.takes(meta)
+            and len(inputs.sampling_requests) == meta.num_seqs
+        ):
             return graphs.run(inputs.input_ids, inputs.positions, meta)  # every row samples, in batch order
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)  # [T, E]
+        if prompt_rows is not None:
+            prompt_rows.compute(self.model.compute_logits, hidden)
         return self.model.compute_logits(hidden[inputs.logits_indices])
 
     def execute(self, requests: list[RequestState]) -> list[SampledRow]:

@@ -22,6 +22,11 @@ class RequestState:
     sampling: RequestSampling
     num_scheduled_tokens: int = 0  # tokens to compute in the current step
     trace_context: dict[str, str] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs (-1: unset), the next prompt position to score, and what the last step
+    # scored, until the servicer takes it (see services.worker.sampling.prompt_logprobs).
+    prompt_logprobs: int = -1
+    prompt_logprobs_next: int = 1
+    prompt_logprobs_out: list = field(default_factory=list)
 
     @property
     def samples_this_step(self) -> bool:
@@ -74,6 +79,9 @@ class RequestStates:
                 num_scheduled_tokens=new.num_scheduled_tokens,
                 trace_context=dict(new.trace_context),
             )
+            if new.sampling.HasField("prompt_logprobs"):
+                state.prompt_logprobs = new.sampling.prompt_logprobs
+                state.prompt_logprobs_next = 1 + new.num_prompt_logprobs_done
             self.requests[new.request_id] = state
             scheduled.append(state)
         for run in plan.running:

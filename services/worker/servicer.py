@@ -16,6 +16,7 @@ from services.worker.core import WorkerCore
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import SampledRow
 from services.worker.request_state import RequestState, RequestStates
+from services.worker.sampling import prompt_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     sampled=[_sampled(row) for row in rows],
                     execute_seconds=seconds,
                     num_kv_load_failed_tokens=num_failed,
+                    prompt_logprobs=prompt_logprobs.take(scheduled),
                 )
         finally:
             self._stream_lock.release()
