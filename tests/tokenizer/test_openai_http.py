@@ -84,7 +84,10 @@ def test_echo_and_completion_logprobs(stack, smollm):
     assert all(len(top) == 1 for top in lp["top_logprobs"]) and lp["text_offset"][0] == 0
     assert stack.fake.submits[-1].sampling.logprobs == 1
     status, body = post(stack, "/v1/completions", {"prompt": "Blue", "logprobs": 1, "echo": True})
-    assert status == 400 and body["error"]["param"] == "echo"
+    assert status == 200 and stack.fake.submits[-1].sampling.prompt_logprobs == 1  # the echoed prompt is scored
+    lp = body["choices"][0]["logprobs"]  # the fake scheduler scores nothing: the prompt's one token leads
+    assert lp["tokens"][0] == "Blue" and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == [-0.5] * len(ids)
 
 
 def test_n_choices_and_several_prompts_each_get_their_own_request(stack):

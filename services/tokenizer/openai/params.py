@@ -37,8 +37,9 @@ def completion_sampling(req: CompletionRequest) -> SamplingFields:
     s.max_tokens = req.max_tokens or DEFAULT_MAX_TOKENS
     if req.logprobs is not None:
         s.logprobs = max(req.logprobs, 1)  # 0 asks for the sampled token's logprob alone
-        if req.echo:
-            raise InvalidArgument("echo", "echo with logprobs needs the prompt's logprobs, which are not computed")
+        if req.echo:  # the echoed prompt's tokens lead the logprobs
+            s.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
+            names["prompt_logprobs"] = "prompt_logprobs" if s.prompt_logprobs > req.logprobs else "logprobs"
     return SamplingFields(s, names)
 
 
@@ -79,6 +80,10 @@ def _common(req: SamplingRequest) -> tuple[common_pb2.SamplingParams, dict[str, 
     )
     if req.seed is not None:
         s.seed = req.seed
+    if req.prompt_logprobs is not None:
+        if req.stream:
+            raise InvalidArgument("prompt_logprobs", "not available with stream: true")
+        s.prompt_logprobs = req.prompt_logprobs
     if req.stop is not None:
         s.stop.extend([req.stop] if isinstance(req.stop, str) else req.stop)
     names: dict[str, str] = {}

@@ -59,6 +59,7 @@ async def prepare_completion(req: CompletionRequest, door: FrontDoor, served: st
     items = prompt if batch else [prompt]
     prepared: list[EngineRequest] = []
     echo: dict[int, str] = {}
+    echo_tokens: dict[int, str] = {}  # the first token of each echoed prompt, when its tokens lead the logprobs
     for i, item in enumerate(items):
         field = f"prompt[{i}]" if batch else "prompt"
         given = TextPrompt(item, field) if isinstance(item, str) else TokensPrompt(list(item), field)
@@ -66,7 +67,10 @@ async def prepare_completion(req: CompletionRequest, door: FrontDoor, served: st
         if req.echo:
             ids = prepared[-1].prompt_ids
             echo[i] = item if isinstance(item, str) else door.tokenizer.decode(ids, skip_special_tokens=False)
-    renderer = Renderer(False, request_id, model, req.n, p.num_top_logprobs(req), echo)
+            if req.logprobs is not None:
+                echo_tokens[i] = door.tokenizer.token_text(ids[0])
+    num_top = p.num_top_logprobs(req)
+    renderer = Renderer(False, request_id, model, req.n, num_top, echo, echo_tokens, req.prompt_logprobs)
     return PreparedOpenAI(plan_choices(request_id, prepared, req.n), renderer, req.stream, req.include_usage)
 
 
@@ -76,7 +80,7 @@ async def prepare_chat(req: ChatCompletionRequest, door: FrontDoor, served: str)
     request_id = _request_id(req.request_id)
     prompt = ChatPrompt(chat_messages(req.messages))
     prepared = await _named_async(lambda: door.prepare_async(prompt, fields.params, request_id), fields)
-    renderer = Renderer(True, request_id, model, req.n, p.num_top_logprobs(req), {})
+    renderer = Renderer(True, request_id, model, req.n, p.num_top_logprobs(req), {}, None, req.prompt_logprobs)
     return PreparedOpenAI(plan_choices(request_id, [prepared], req.n), renderer, req.stream, req.include_usage)
 
 

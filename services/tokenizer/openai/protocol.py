@@ -29,7 +29,6 @@ _STRUCTURED = "the guided_* fields; use structured_outputs (json, regex, choice,
 _SHARED_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "logit_bias": ((None, {}), "logit biases"),
     "best_of": ((None, 1), "best_of above 1; use n for several samples"),
-    "prompt_logprobs": ((None,), "prompt logprobs"),
     "truncate_prompt_tokens": ((None,), "prompt truncation"),
     "guided_json": ((None,), _STRUCTURED),
     "guided_regex": ((None,), _STRUCTURED),
@@ -159,6 +158,7 @@ class SamplingRequest(CheckedModel):
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
     request_id: str | None = None
+    prompt_logprobs: UInt32 | None = None  # at most 20: the front door's check
 
     @property
     def include_usage(self) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvgrid.v1 import generate_pb2
 from services.tokenizer.openai import responses as r
+from services.tokenizer.openai.prompt_logprobs import echo_entries, vllm_prompt_logprobs
 
 
 @dataclass(slots=True)
@@ -22,12 +23,25 @@ class ChoiceState:
     unsent_prefix: str = ""  # the echoed prompt, until the first chunk carries it
     finish_reason: str | None = None
     usage: generate_pb2.GenerateResponse | None = None
+    prompt_logprobs: list | None = None  # vLLM's shape, when prompt_logprobs was asked for
 
 
 class Renderer:
-    """``echo`` (completions): prompt index -> text to put before each choice of that prompt."""
+    """``echo`` (completions): prompt index -> text to put before each choice of that prompt. ``echo_tokens``: prompt
+    index -> the text of its first token, when the echoed prompt's tokens lead the logprobs (echo with logprobs).
+    ``num_prompt_logprobs``: vLLM's ``prompt_logprobs`` field, when set."""
 
-    def __init__(self, chat: bool, request_id: str, model: str, n: int, num_top: int | None, echo: dict[int, str]):
+    def __init__(
+        self,
+        chat: bool,
+        request_id: str,
+        model: str,
+        n: int,
+        num_top: int | None,
+        echo: dict[int, str],
+        echo_tokens: dict[int, str] | None = None,
+        num_prompt_logprobs: int | None = None,
+    ):
         self.chat = chat
         self.request_id = request_id
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
@@ -36,6 +50,8 @@ class Renderer:
         self.n = n
         self.num_top = num_top  # None: no logprobs asked for
         self.echo = echo
+        self.echo_tokens = echo_tokens or {}
+        self.num_prompt_logprobs = num_prompt_logprobs
         self.choices: dict[int, ChoiceState] = {}
 
     def add(self, index: int, delta: generate_pb2.GenerateResponse) -> ChoiceState:
@@ -46,6 +62,7 @@ class Renderer:
             state.text.append(prefix)
             state.text_offset = len(prefix)
             state.unsent_prefix = prefix
+            self._add_prompt_logprobs(index, state, delta)
         state.text.append(delta.text)
         self._add_logprobs(state, delta)
         if delta.finish_reason:
@@ -57,6 +74,7 @@ class Renderer:
     def response(self) -> r.CompletionResponse | r.ChatCompletionResponse:
         indexes = sorted(self.choices)
         if self.chat:
+            prompt_logprobs = next((c.prompt_logprobs for c in self.choices.values() if c.prompt_logprobs), None)
             choices = [
                 r.ChatChoice(
                     index=i,
@@ -67,7 +85,12 @@ class Renderer:
                 for i in indexes
             ]
             return r.ChatCompletionResponse(
-                id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
+                id=self.id,
+                created=self.created,
+                model=self.model,
+                choices=choices,
+                usage=self.usage(),
+                prompt_logprobs=prompt_logprobs,
             )
         choices = [
             r.CompletionChoice(
@@ -75,6 +98,7 @@ class Renderer:
                 text="".join(self.choices[i].text),
                 logprobs=self._completion_logprobs(self.choices[i].logprobs),
                 finish_reason=self.choices[i].finish_reason,
+                prompt_logprobs=self.choices[i].prompt_logprobs,
             )
             for i in indexes
         ]
@@ -136,6 +160,14 @@ class Renderer:
         return cls(id=self.id, created=self.created, model=self.model, choices=[], usage=self.usage()).model_dump_json()
 
     # --- logprobs ---
+
+    def _add_prompt_logprobs(self, index: int, state: ChoiceState, delta: generate_pb2.GenerateResponse) -> None:
+        """On the choice's first delta, which carries the prompt's logprobs (none for a one-token prompt)."""
+        first_token = self.echo_tokens.get(index // self.n)
+        if first_token is not None and self.num_top is not None:
+            state.logprobs += echo_entries(first_token, delta.prompt_logprobs, self.num_top)
+        if self.num_prompt_logprobs is not None:
+            state.prompt_logprobs = vllm_prompt_logprobs(delta.prompt_logprobs, self.num_prompt_logprobs)
 
     def _add_logprobs(self, state: ChoiceState, delta: generate_pb2.GenerateResponse) -> None:
         if self.num_top is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class PromptTokensDetails(BaseModel):
@@ -16,6 +16,10 @@ class Usage(BaseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+
+
+# Only in answers to requests that set prompt_logprobs (absent otherwise).
+PromptLogprobs = list[dict[str, dict] | None] | None
 
 
 class CompletionLogprobs(BaseModel):
@@ -32,6 +36,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's extra: with prompt_logprobs set, None then {token id: {logprob, rank, decoded_token}} per prompt token.
+    prompt_logprobs: PromptLogprobs = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):
@@ -76,6 +82,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs = Field(default=None, exclude_if=lambda v: v is None)  # as CompletionChoice's
 
 
 class DeltaMessage(BaseModel):
