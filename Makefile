@@ -7,6 +7,7 @@ PY := $(VENV)/bin/python
 # CPU-only machines take the pinned CPU build; GPU images pass their own (e.g. TORCH_SPEC=torch).
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+EVAL_STAMP := $(VENV)/.installed-eval
 PYTEST_ARGS ?=
 
 .PHONY: install serve test test-slow test-images bench lint format protos clean deploy-tools test-tools image-tools
@@ -20,6 +21,11 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# the slow suite's extra: lm-evaluation-harness (tests/e2e/test_lm_eval.py)
+$(EVAL_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[eval]'
+	touch $(EVAL_STAMP)
 
 serve: install
 	$(VENV)/bin/kvgrid serve
@@ -71,7 +77,7 @@ test-images: install image-tools
 	$(PY) -m pytest -m slow -s tests/deploy/test_images.py $(PYTEST_ARGS)
 
 # benchmarks and long suites, excluded from `make test`
-test-slow: install test-tools
+test-slow: install test-tools $(EVAL_STAMP)
 	$(PY) -m pytest -m "slow" $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no slow tests at present"; else exit $$rc; fi
 
 bench: install
