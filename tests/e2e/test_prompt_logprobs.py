@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+import torch
 
 from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.e2e.stack import Stack, get_stats, running_stack, wait_idle
@@ -196,3 +197,36 @@ def test_grpc_refuses_more_than_20(stub):
         generate(stub, [5, 6, 7], prompt_logprobs=21)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt_logprobs" in info.value.details()
+
+
+def test_a_streamed_echo_carries_the_prompt_logprobs_in_its_first_chunk(stack):
+    body = {"prompt": "no one knows", "echo": True, "logprobs": 1, "max_tokens": 3, "temperature": 0}
+    _, whole = post(stack, "completions", body)
+    url = f"http://127.0.0.1:{stack.ports['--http-port']}/v1/completions"
+    request = urllib.request.Request(
+        url, json.dumps({**body, "stream": True}).encode(), {"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        events = [line[6:] for line in response.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    expected = whole["choices"][0]["logprobs"]
+    assert chunks[0]["text"].startswith("no one knows")
+    assert chunks[0]["logprobs"]["token_logprobs"][0] is None
+    streamed = {key: [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]] for key in expected}
+    assert streamed == expected
+    assert "".join(c["text"] for c in chunks) == whole["choices"][0]["text"]
+
+
+def test_the_default_model_scores_like_transformers(channel, hf):
+    """SmolLM2 from its GGUF file, through the native CPU path, against transformers on the same file."""
+    text = "The capital of France is Paris. It is known for the Eiffel Tower, its museums and its food. " * 3
+    prompt = hf.encode(text)
+    entries, _, _ = generate(generate_pb2_grpc.TextGenerationStub(channel), prompt, max_tokens=1, prompt_logprobs=1)
+    with torch.inference_mode():
+        logits = hf.ready().model(torch.tensor([prompt])).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)
+    assert [e.token_id for e in entries] == prompt[1:]
+    for p, entry in enumerate(entries):
+        assert abs(entry.logprob - ref[p, prompt[p + 1]].item()) < 1e-4, p
+        assert entry.top[0].token_id == ref[p].argmax().item()

@@ -17,7 +17,7 @@ from kvgrid.v1 import common_pb2, worker_pb2
 from services.worker.request_state import RequestState
 
 # Rows put through the LM head at once: bounds the float32 [rows, vocab] buffers of a long prefill chunk.
-MAX_ROWS_PER_PASS = 256
+MAX_ROWS_PER_PASS = 128
 
 
 @dataclass(slots=True)
