@@ -43,7 +43,6 @@ class PromptRows:
         self.targets += request.token_ids[first : last + 1]
         self.num_top += [k] * (last + 1 - first)
         self.spans.append((request, first, last + 1 - first))
-        request.prompt_logprobs_next = last + 1
 
     def __bool__(self) -> bool:
         return bool(self.rows)
@@ -60,6 +59,7 @@ class PromptRows:
             entries += _score(compute_logits(hidden[rows]), targets, self.num_top[lo:hi])
         i = 0
         for request, first, count in self.spans:
+            request.prompt_logprobs_next = first + count
             request.prompt_logprobs_out.append(
                 worker_pb2.PromptLogprobs(request_id=request.request_id, start=first, logprobs=entries[i : i + count])
             )
