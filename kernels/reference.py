@@ -23,6 +23,7 @@ def paged_attention_reference(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     tile_n: int = 32,  # kernel tuning knobs, ignored here
     num_splits: int = 1,
+    window: int = 0,  # > 0: a query at p sees the keys at p - window < k <= p
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_heads = query.shape[1]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -42,7 +43,8 @@ def paged_attention_reference(
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, q_len, seq_len]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
         k_pos = torch.arange(seq_len, device=query.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = (k_pos > q_pos) | (k_pos <= q_pos - window) if window > 0 else k_pos > q_pos
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = scores.softmax(dim=-1)
         result[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return result

@@ -166,6 +166,8 @@ def attach_cpu_kernels(model: LlamaForCausalLM, choice: str, device: torch.devic
     try:
         if device.type != "cpu" or backend != "torch":
             raise NativeKernelsUnavailable(f"they run on CPU with the torch attention backend, not {device}/{backend}")
+        if not model.native_cpu:
+            raise NativeKernelsUnavailable(f"they compute the Llama layer, not {model.args.architecture}'s")
         model.set_native_path(NativeCpuPath(model, load_native_kernels()))
     except (NativeKernelsUnavailable, ValueError) as exc:
         if choice == "native":
@@ -183,11 +185,8 @@ def attach_cpu_kernels(model: LlamaForCausalLM, choice: str, device: torch.devic
 
 
 def max_model_len(args: LlamaArgs, hf_config: Any, configured: int) -> int:
-    """The model's own limit (a sliding window caps it: kvgrid attends over full context), or less if asked."""
+    """The model's own limit, or less if asked (sliding-window layers attend over their window at any length)."""
     limit = args.max_position_embeddings
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, window)
     return min(limit, configured) if configured > 0 else limit
 
 
