@@ -92,6 +92,11 @@ class LlamaArgs:
     def window(self, layer: int) -> int:
         return self.layer_windows[layer] if self.layer_windows else 0
 
+    @property
+    def freeing_window(self) -> int:
+        """The window every layer slides over (blocks before it are never read again), 0 if some layer sees all."""
+        return min(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
+
 
 def layer_windows(cfg) -> tuple[int, ...]:
     """Each layer's sliding window from a Hugging Face config: ``sliding_window`` on the layers whose

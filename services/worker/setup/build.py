@@ -201,8 +201,12 @@ def plan_memory(
     max_num_seqs: int = 128,
     seed: int | None = None,
 ) -> MemoryFigures:
-    """The block count; raises InsufficientMemory when one max-length sequence does not fit."""
+    """The block count; raises InsufficientMemory when one max-length sequence does not fit (for a model whose
+    every layer slides over a window, whose blocks behind it the scheduler frees: one window and one step)."""
     block_bytes = loaded.block_bytes(block_size)
+    window = loaded.args.freeing_window
+    if window:  # the blocks from the window of a step's first token, and the step's: at most this many tokens
+        max_len = min(max_len, window - 1 + max_num_batched_tokens + block_size)
     if loaded.device.type == "cuda":
         figures = _profile_cuda(
             loaded, block_size, block_bytes, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, seed
