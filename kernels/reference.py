@@ -89,3 +89,22 @@ def rms_norm_reference(
     h = x.float()
     normed = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype), residual
+
+
+def fused_moe_reference(
+    x: torch.Tensor,  # [T, E]
+    w13: torch.Tensor,  # [num_experts, 2 * I, E], gate rows then up rows
+    w2: torch.Tensor,  # [num_experts, E, I]
+    topk_weights: torch.Tensor,  # [T, k] float32
+    topk_ids: torch.Tensor,  # [T, k] int
+    block_m: int = 16,  # kernel tuning knob, ignored here
+) -> torch.Tensor:  # [T, E]
+    """Token by token, expert by expert, in float32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w2.shape[-1]
+    for t in range(x.shape[0]):
+        for weight, expert in zip(topk_weights[t].tolist(), topk_ids[t].tolist(), strict=True):
+            h = w13[expert].float() @ x[t].float()  # [2I]
+            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            out[t] += weight * (w2[expert].float() @ act)
+    return out.to(x.dtype)

@@ -40,6 +40,8 @@ CONFIGS = {
     ),
     "phi3-fused": ("phi3", {}),
     "gemma3-interleaved": ("gemma3", {}),
+    "mixtral-top2-of-4": ("mixtral", {}),
+    "qwen3-moe-sparse-step": ("qwen3_moe", {}),
 }
 
 

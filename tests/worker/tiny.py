@@ -33,6 +33,8 @@ KINDS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 # Per kind, beside BASE: Gemma 3's five sliding-window layers then a global one, shrunk to 3 layers and a window of 8
 # (prompts in the tests run past it), with a local rotary base unlike the global one.
@@ -48,6 +50,11 @@ EXTRA = {
         },
     ),
     "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # experts in layer 1 only (layer 0 dense), top-2 of 6 not renormalized
+    "qwen3_moe": dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[0]
+    ),
 }
 
 

@@ -323,6 +323,14 @@ class LlamaForCausalLM(nn.Module):
         if keep_copies:
             self.logits_weight_f32 = embed.detach().float() if self.lm_head is None else self.lm_head.weight_f32
 
+    def load_extra(self, name: str, tensor: torch.Tensor | PackedWeight) -> set[str]:
+        """A family's own checkpoint tensors (e.g. experts): copied, with the keys they complete; else empty."""
+        return set()
+
+    def extra_expected(self) -> dict[str, set[str]]:
+        """Parameters that ``load_extra`` fills, each with the keys that together complete it."""
+        return {}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the fused parameters; raises on gaps.
 
@@ -344,6 +352,10 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
+            keys = self.load_extra(name, tensor)
+            if keys:
+                loaded |= keys
+                continue
             parts = name.split(".")
             offset = None
             if len(parts) >= 2 and parts[-2] in fused:
@@ -361,7 +373,10 @@ class LlamaForCausalLM(nn.Module):
             else:
                 param.copy_(tensor)
             loaded.add(target if offset is None else f"{target}@{offset}")
-        expected = {n for n in params if not any(p in n for p in ("qkv_proj", "gate_up_proj"))}
+        extra = self.extra_expected()
+        expected = {n for n in params if not any(p in n for p in ("qkv_proj", "gate_up_proj")) and n not in extra}
+        for keys in extra.values():
+            expected |= keys
         for n in params:
             if "qkv_proj" in n:
                 expected |= {f"{n}@0", f"{n}@{q}", f"{n}@{q + kv}"}

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from services.worker.models import gemma3, phi3, qwen3
+from services.worker.models import gemma3, mixtral, phi3, qwen3, qwen3_moe
 from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
 
 Weights = Iterable[tuple[str, torch.Tensor]]
@@ -39,6 +39,10 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family(qwen3.Qwen3ForCausalLM, qwen3.ARCHITECTURES),
     "phi3": Family(LlamaForCausalLM, phi3.ARCHITECTURES, check=phi3.check_phi3, rename=phi3.split_fused),
     "gemma3_text": Family(gemma3.Gemma3ForCausalLM, gemma3.ARCHITECTURES, read_args=gemma3.Gemma3Args.from_hf_config),
+    "mixtral": Family(
+        mixtral.MixtralForCausalLM, mixtral.ARCHITECTURES, read_args=mixtral.mixtral_args, rename=mixtral.rename_mixtral
+    ),
+    "qwen3_moe": Family(qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.ARCHITECTURES, read_args=qwen3_moe.qwen3_moe_args),
 }
 ARCHITECTURES = tuple(a for family in FAMILIES.values() for a in family.architectures)
 
