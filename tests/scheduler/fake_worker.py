@@ -104,6 +104,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             tokenizer_files=c.tokenizer_files,
             max_num_batched_tokens=c.max_num_batched_tokens,
             max_num_seqs=c.max_num_seqs,
+            sliding_window=c.sliding_window,
             worker_id=c.worker_id,
         )
 
