@@ -8,7 +8,7 @@ import pytest
 
 from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.e2e.hf_reference import HFReference, strip_eos
-from tests.e2e.stack import collect, running_stack
+from tests.e2e.stack import Stack, collect
 from tests.e2e.test_serve_default import kvgrid
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -38,8 +38,11 @@ def hf(gguf_path) -> HFReference:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, gguf_path, hf):
     args = ["--model", gguf_path, "--dtype", "float32", "--kv-cache-memory", "256MiB", "--max-model-len", "2048"]
-    with running_stack(tmp_path_factory.mktemp("gemma3") / "serve.log", args) as stack:
-        yield stack
+    stack = Stack(tmp_path_factory.mktemp("gemma3") / "serve.log", args).start()
+    try:
+        yield stack.wait_ready(timeout=900)  # the first start converts the GGUF once (minutes on a busy CPU)
+    finally:
+        stack.stop()
 
 
 def test_model_info_names_gemma3(stack):
