@@ -58,8 +58,9 @@ class OfflineEngine:
         started = time.perf_counter()
         rows, num_failed = self.core.execute(plan, self.states.apply(plan))
         seconds = time.perf_counter() - started
-        sampled = [(r.request.request_id, r.token_id, r.logprob) for r in rows]
-        return self.scheduler_core.finish_step(out, sampled, seconds, num_failed)
+        sampled = [(r.request.request_id, r.token_id, r.logprob) for r in rows if r.pooled is None]
+        pooled = {r.request.request_id: r.pooled for r in rows if r.pooled is not None}
+        return self.scheduler_core.finish_step(out, sampled, seconds, num_failed, pooled)
 
     def stats(self) -> EngineStats:
         return self.scheduler_core.counters()

@@ -55,6 +55,10 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+RUNNERS = ("generate", "pooling")
+POOLING_TYPES = ("last", "mean", "cls")
+
+
 @dataclass(slots=True)
 class ModelConfig:
     model: str = _opt("", "HF model directory, GGUF file, or empty for the embedded SmolLM2-135M-Instruct")
@@ -63,6 +67,15 @@ class ModelConfig:
     dtype: str = _opt("auto", "weight and KV cache dtype", ("auto", "bfloat16", "float16", "float32"))
     max_model_len: int = _opt(0, "longest sequence in tokens (0: the model's own limit)")
     seed: int = _opt(0, "seed for requests that give none")
+    runner: str = _opt(
+        "generate",
+        "what the worker runs the model as: generate (completions, chat) or pooling (embeddings: /v1/embeddings)",
+        RUNNERS,
+    )
+    pooling_type: str = _opt(
+        "last", "pooling runner: how a prompt's hidden states become one vector by default", POOLING_TYPES
+    )
+    normalize: bool = _opt(True, "pooling runner: scale vectors to unit L2 norm unless a request says otherwise")
 
     def validate(self) -> list[str]:
         errors = []

@@ -41,6 +41,7 @@ def plan_to_proto(out: SchedulerOutput) -> worker_pb2.StepPlan:
                 num_scheduled_tokens=new.num_scheduled_tokens,
                 trace_context=request.trace_context,
                 kv_loads=[tier_block_to_proto(load) for load in new.kv_loads],
+                pooling=request.pooling,
             )
         )
     running = plan.running
@@ -70,9 +71,18 @@ def sampled_from_proto(result: worker_pb2.StepResult, want_logprobs: bool = True
     ]
 
 
+def pooled_from_proto(result: worker_pb2.StepResult) -> dict[str, list[float]]:
+    """Pooling requests' vectors by request id."""
+    return {p.request_id: p.data for p in result.pooled}
+
+
 def add_output(response: scheduler_pb2.SubmitResponse, output: RequestOutput) -> None:
-    """Append one sampled token (and its logprob and finish reason, if any) to a request's delta."""
-    response.token_ids.append(output.token_id)
+    """Append one sampled token (and its logprob and finish reason, if any), or a pooling request's vector, to a
+    request's delta."""
+    if output.pooled is not None:
+        response.embedding.extend(output.pooled)
+    else:
+        response.token_ids.append(output.token_id)
     if output.logprob is not None:
         response.logprobs.append(output.logprob)
     if output.finish is not None:

@@ -76,6 +76,7 @@ class SchedulerCore:
             block_size=info.block_size,
             vocab_size=info.vocab_size,
             max_waiting_requests=sched.max_waiting_requests,
+            pooling=info.HasField("pooler"),
         )
         tiers = build_tiers(info, config, metrics)
         return cls(Scheduler(limits, kv, info.eos_token_ids, tiers), admission, metrics)
@@ -94,16 +95,18 @@ class SchedulerCore:
         sampled: Iterable[tuple[str, int, Any]],
         execute_seconds: float,
         num_kv_load_failed_tokens: int = 0,
+        pooled: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """The worker ran ``out`` in ``execute_seconds`` and sampled ``(request_id, token_id, logprob)`` rows,
-        computing ``num_kv_load_failed_tokens`` of its KV tier loads instead; returns the tokens with finish
-        states. Plans must be finished in the order they were planned."""
+        """The worker ran ``out`` in ``execute_seconds`` and sampled ``(request_id, token_id, logprob)`` rows
+        (and pooled vectors by request id, for pooling requests), computing ``num_kv_load_failed_tokens`` of its KV
+        tier loads instead; returns the tokens with finish states. Plans must be finished in the order they were
+        planned."""
         scheduler = self.scheduler
         self.num_steps += out.num_steps
         scheduler.plan_steps.record(out, execute_seconds)
         if num_kv_load_failed_tokens and scheduler.tiers is not None:
             scheduler.tiers.record_failed_loads(num_kv_load_failed_tokens, out.kv_loads())
-        outputs = scheduler.update_from_output(out, sampled)
+        outputs = scheduler.update_from_output(out, sampled, pooled)
         if self.metrics is not None:
             self.metrics.record_state(scheduler)
         return outputs

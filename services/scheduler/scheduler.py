@@ -105,6 +105,7 @@ class RequestOutput:
     token_id: int
     logprob: Any = None
     finish: RequestStatus | None = None
+    pooled: Any = None  # a pooling request's vector (its only output; token_id means nothing then)
 
 
 class Scheduler:
@@ -314,8 +315,11 @@ class Scheduler:
             self._next_arrival = max(self._next_arrival, request.arrival_seq + 1)
         return rejected
 
-    def update_from_output(self, out: SchedulerOutput, sampled: Iterable[tuple[str, int, Any]]) -> list[RequestOutput]:
-        """Apply a step's sampled tokens ``(request_id, token_id, logprob)``; returns them with finish states.
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: Iterable[tuple[str, int, Any]], pooled: dict[str, Any] | None = None
+    ) -> list[RequestOutput]:
+        """Apply a step's sampled tokens ``(request_id, token_id, logprob)`` and pooled vectors (request id ->
+        vector); returns them with finish states.
 
         A token is kept only for the very request object the plan sampled for, still running: a request aborted,
         preempted or finished (one step late, under async scheduling) while the step ran loses its token, and
@@ -341,6 +345,11 @@ class Scheduler:
                 if not plan.samples:
                     if request.status is running:
                         cache(request)
+                    continue
+                if request.pooling is not None:
+                    if request.status is running and requests.get(request_id) is request:
+                        results.append(self._finish_pooled(request, (pooled or {}).get(request_id), out.step_id))
+                        num_finished += 1
                     continue
                 samples = tokens.pop(request_id, None)
                 if request.status is not running or requests.get(request_id) is not request:
@@ -369,6 +378,16 @@ class Scheduler:
         if num_finished:
             self.running = [request for request in self.running if request.status is running]
         return results
+
+    def _finish_pooled(self, request: Request, vector: Any, step_id: int) -> RequestOutput:
+        """A pooling request's prompt is computed: it ends with its vector and its blocks are freed now."""
+        if vector is None:
+            raise WorkerProtocolError(f"step {step_id}: no pooled vector for {request.request_id!r}")
+        request.num_output_placeholders = 0
+        self.kv.cache_computed_blocks(request)
+        del self.requests[request.request_id]
+        self._release(request, RequestStatus.FINISHED_STOPPED)
+        return RequestOutput(request, 0, None, RequestStatus.FINISHED_STOPPED, vector)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         stop = request.stop
