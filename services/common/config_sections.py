@@ -57,6 +57,7 @@ def parse_bytes(text: str) -> int:
 
 RUNNERS = ("generate", "pooling")
 POOLING_TYPES = ("last", "mean", "cls")
+TASKS = ("auto", "generate", "embed")
 
 
 @dataclass(slots=True)
@@ -76,11 +77,18 @@ class ModelConfig:
         "last", "pooling runner: how a prompt's hidden states become one vector by default", POOLING_TYPES
     )
     normalize: bool = _opt(True, "pooling runner: scale vectors to unit L2 norm unless a request says otherwise")
+    task: str = _opt("auto", "vLLM's older name for --runner: embed means pooling (auto: as --runner says)", TASKS)
+
+    def __post_init__(self) -> None:
+        if self.task == "embed":
+            self.runner = "pooling"
 
     def validate(self) -> list[str]:
         errors = []
         if self.max_model_len < 0:
             errors.append(f"--max-model-len must be >= 0, got {self.max_model_len}")
+        if self.task == "generate" and self.runner != "generate":
+            errors.append(f"--task generate contradicts --runner {self.runner}")
         return errors
 
     @property

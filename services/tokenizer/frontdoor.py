@@ -28,6 +28,8 @@ LONG_INPUT_CHARS = 8192
 # The prompt-length cap of a caller that knows no model limits (``tokenize`` without ``max_chars``): what a
 # model of 8192 tokens allows (see ``validation.MAX_CHARS_PER_TOKEN``).
 DEFAULT_MAX_PROMPT_CHARS = v.MAX_CHARS_PER_TOKEN * 8192
+# Inputs of one embeddings request (OpenAI's limit).
+MAX_POOLING_INPUTS = 2048
 
 
 @dataclass(slots=True)
@@ -111,8 +113,8 @@ class FrontDoor:
         resolved with the server's defaults. Raises ``InvalidArgument`` naming the first bad field."""
         pooling.check_runner("model", True, self.pooler is not None)
         v.check_request_id(request_id)
-        if not prompts:
-            raise InvalidArgument("input", "give at least one input")
+        if not prompts or len(prompts) > MAX_POOLING_INPUTS:
+            raise InvalidArgument("input", f"give 1 to {MAX_POOLING_INPUTS} inputs, got {len(prompts)}")
         resolved = pooling.resolve(params, self.pooler)
         requests = []
         for i, prompt in enumerate(prompts):
@@ -127,6 +129,14 @@ class FrontDoor:
             sampling = common_pb2.SamplingParams()
             requests.append(EngineRequest(f"{request_id}-{i}", ids, sampling, 0, text, resolved))
         return requests
+
+    async def prepare_pooling_async(
+        self, prompts: list[Prompt], params: common_pb2.PoolingParams, request_id: str
+    ) -> list[EngineRequest]:
+        """``prepare_pooling``, with many or long inputs tokenized off the event loop."""
+        if sum(num_chars(prompt) for prompt in prompts) < LONG_INPUT_CHARS:
+            return self.prepare_pooling(prompts, params, request_id)
+        return await asyncio.to_thread(self.prepare_pooling, prompts, params, request_id)
 
     async def prepare_async(
         self, prompt: Prompt, sampling: common_pb2.SamplingParams, request_id: str

@@ -81,7 +81,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         ]
         door = self._state.front_door()
         request_id = request.request_id or uuid.uuid4().hex
-        prepared = door.prepare_pooling(prompts, request.pooling, request_id)
+        prepared = await door.prepare_pooling_async(prompts, request.pooling, request_id)
         with _counted(self._state):
             result = await embed(self._engine, prepared, parent_context=context_from_metadata(context))
         return generate_pb2.EmbedResponse(

@@ -127,7 +127,8 @@ def test_model_info_names_the_pooling_runner(http, stub):
     "body,param,words",
     [
         ({"input": "t5", "dimensions": HIDDEN_SIZE + 1}, "dimensions", "hidden size"),
-        ({"input": []}, "input", "at least one"),
+        ({"input": []}, "input", "1 to 2048 inputs"),
+        ({"input": ["t5"] * 2049}, "input", "got 2049"),
         ({"input": ""}, "input", "empty"),
         ({"input": [[5, 6], [7, 100000]]}, "input[1][1]", "vocabulary"),
         ({"input": "t5", "encoding_format": "int8"}, "encoding_format", ""),

@@ -91,3 +91,23 @@ def test_async_scheduling_never_plans_past_a_pooling_prompt():
     (result,) = s.update_from_output(first, [], {"p": [2.0]})
     assert result.pooled == [2.0]
     assert s.update_from_output(second, [], {}) == []
+
+
+def test_admission_matches_requests_to_the_runner():
+    from kvgrid.v1 import scheduler_pb2
+    from services.common.errors import InvalidArgument
+    from services.scheduler.admission import AdmissionLimits, admit
+
+    def limits(pooling: bool) -> AdmissionLimits:
+        return AdmissionLimits(64, 16, 4, 100, 10, pooling=pooling)
+
+    resolved = common_pb2.PoolingParams(pooling_type="mean", normalize=True)
+    request = admit(scheduler_pb2.SubmitRequest(prompt_token_ids=[1, 2], pooling=resolved), limits(True), (), 0)
+    assert request.pooling == resolved and request.skip_prefix_cache and request.stop.max_tokens == 1
+    with pytest.raises(InvalidArgument, match="--runner pooling"):
+        admit(scheduler_pb2.SubmitRequest(prompt_token_ids=[1, 2]), limits(True), (), 0)
+    with pytest.raises(InvalidArgument, match="--runner generate"):
+        admit(scheduler_pb2.SubmitRequest(prompt_token_ids=[1, 2], pooling=resolved), limits(False), (), 0)
+    unresolved = common_pb2.PoolingParams(dimensions=4)
+    with pytest.raises(InvalidArgument, match="pooling_type and normalize must be set"):
+        admit(scheduler_pb2.SubmitRequest(prompt_token_ids=[1, 2], pooling=unresolved), limits(True), (), 0)

@@ -89,11 +89,11 @@ class EmbeddingResponse(BaseModel):
     usage: EmbeddingUsage
 
 
-def prepare_embeddings(req: EmbeddingRequest, door: FrontDoor) -> tuple[str, list[EngineRequest]]:
+async def prepare_embeddings(req: EmbeddingRequest, door: FrontDoor) -> tuple[str, list[EngineRequest]]:
     """The request id and one pooling request per input; InvalidArgument carries the client's field name."""
     request_id = uuid.uuid4().hex if req.request_id is None else req.request_id
     try:
-        return request_id, door.prepare_pooling(req.prompts(), req.pooling(), request_id)
+        return request_id, await door.prepare_pooling_async(req.prompts(), req.pooling(), request_id)
     except InvalidArgument as exc:
         exc.public_field = _PUBLIC.get(exc.field, exc.field)
         raise
@@ -122,6 +122,6 @@ def render(request_id: str, model: str, result: Embeddings, encoding_format: str
 async def serve_embeddings(
     req: EmbeddingRequest, door: FrontDoor, engine: EngineClient, model: str, raw: Request
 ) -> EmbeddingResponse:
-    request_id, prepared = prepare_embeddings(req, door)
+    request_id, prepared = await prepare_embeddings(req, door)
     result = await embed(engine, prepared, parent_context=extract(raw.headers))
     return render(request_id, model, result, req.encoding_format)
