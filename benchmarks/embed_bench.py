@@ -1,6 +1,6 @@
 """Embeddings per second through the stack (``--runner pooling``) against ``transformers`` batched, in one run.
 
-    python -m benchmarks.embed_bench [--inputs 256] [--lengths 16-256] [--pooling-type last] [--threads 2]
+    python -m benchmarks.embed_bench [--inputs 256] [--lengths 16-128] [--pooling-type last] [--threads 2]
         [--rounds 2] [--hf-batch 32] [--concurrency 8]
 
 Workload: ``--inputs`` prompts of random plain token ids, lengths uniform in ``--lengths`` (a fixed seed), the
@@ -108,7 +108,7 @@ def min_cosine(a: list[list[float]], b: list[list[float]]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--inputs", type=int, default=256)
-    parser.add_argument("--lengths", default="16-256", help="prompt lengths in tokens, uniform in LOW-HIGH")
+    parser.add_argument("--lengths", default="16-128", help="prompt lengths in tokens, uniform in LOW-HIGH")
     parser.add_argument("--pooling-type", default="last", choices=["last", "mean", "cls"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="turns of each side; medians")

@@ -111,3 +111,28 @@ def test_admission_matches_requests_to_the_runner():
     unresolved = common_pb2.PoolingParams(dimensions=4)
     with pytest.raises(InvalidArgument, match="pooling_type and normalize must be set"):
         admit(scheduler_pb2.SubmitRequest(prompt_token_ids=[1, 2], pooling=unresolved), limits(True), (), 0)
+
+
+def test_a_preempted_pooling_request_is_computed_again_from_its_first_token():
+    s = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=4)
+    s.add_request(make_request("g", [1, 2, 3, 4], max_tokens=8))
+    out = s.schedule()
+    s.update_from_output(out, [("g", 9, None)])
+    s.add_request(pooling_request("p", list(range(10, 25)), "mean"))  # 15 tokens: 4 blocks, more than g leaves
+    preempted = []
+    while not preempted:  # g decodes, p is prefilled in chunks until the pool runs dry: p (admitted last) yields
+        out = s.schedule()
+        assert not [p for p in [*out.new_requests, *out.running] if p.samples and p.request.request_id == "p"]
+        preempted = out.preempted_ids
+        s.update_from_output(out, [("g", 9, None)], {})
+    assert preempted == ["p"] and s.requests["p"].status is RequestStatus.PREEMPTED
+    s.abort_request("g")
+    vectors = {}
+    while s.has_work():
+        out = s.schedule()
+        for plan in out.new_requests:
+            assert (plan.request.request_id, plan.num_computed_tokens) == ("p", 0)
+        done = [p.request.request_id for p in [*out.new_requests, *out.running] if p.samples]
+        for result in s.update_from_output(out, [], {rid: [3.0] for rid in done}):
+            vectors[result.request.request_id] = result.pooled
+    assert vectors == {"p": [3.0]} and s.kv.pool.num_used_blocks == 0
