@@ -17,6 +17,7 @@ from services.common.tracing import inject, tracer
 from services.tokenizer.engine_client import EngineClient
 from services.tokenizer.frontdoor import EngineRequest
 from services.tokenizer.request_handle import RequestHandle
+from services.tokenizer.request_metrics import RequestMetrics
 
 
 @dataclass(slots=True)
@@ -25,9 +26,19 @@ class Embeddings:
     num_prompt_tokens: int  # the inputs' tokens together
 
 
-async def embed(engine: EngineClient, requests: list[EngineRequest], *, parent_context=None) -> Embeddings:
-    """Run ``FrontDoor.prepare_pooling``'s requests; raises KvgridError subclasses."""
+async def embed(
+    engine: EngineClient,
+    requests: list[EngineRequest],
+    *,
+    request_id: str = "",
+    parent_context=None,
+    tracked: RequestMetrics | None = None,
+) -> Embeddings:
+    """Run ``FrontDoor.prepare_pooling``'s requests (``request_id``: theirs, for the metrics and the log); raises
+    KvgridError subclasses."""
     num_tokens = sum(len(r.prompt_ids) for r in requests)
+    if tracked is not None:
+        tracked.begin(request_id, num_tokens)
     span = tracer().start_span(
         "tokenizer.embed",
         context=parent_context,
@@ -38,6 +49,8 @@ async def embed(engine: EngineClient, requests: list[EngineRequest], *, parent_c
         for r in requests:
             handles.append(await engine.submit(r.request_id, r.prompt_ids, r.sampling, inject(span), r.pooling))
         vectors = [await _vector(handle) for handle in handles]
+        if tracked is not None:
+            tracked.finish("stop")
     except BaseException as e:
         span.set_status(Status(StatusCode.ERROR, f"{type(e).__name__}: {e}"))
         raise

@@ -81,9 +81,10 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         ]
         door = self._state.front_door()
         request_id = request.request_id or uuid.uuid4().hex
-        prepared = await door.prepare_pooling_async(prompts, request.pooling, request_id)
-        with _counted(self._state):
-            result = await embed(self._engine, prepared, parent_context=context_from_metadata(context))
+        with RequestMetrics(self._metrics, request_id) as tracked, _counted(self._state):
+            prepared = await door.prepare_pooling_async(prompts, request.pooling, request_id)
+            parent = context_from_metadata(context)
+            result = await embed(self._engine, prepared, request_id=request_id, parent_context=parent, tracked=tracked)
         return generate_pb2.EmbedResponse(
             data=[generate_pb2.Embedding(index=i, embedding=vector) for i, vector in enumerate(result.vectors)],
             usage=common_pb2.Usage(prompt_tokens=result.num_prompt_tokens),

@@ -167,3 +167,20 @@ def test_embeddings_on_a_generating_server_are_refused(generate_stack):
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         info = stub.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=30)
     assert info.runner == "generate" and list(info.supported_tasks) == ["generate"]
+
+
+def requests_done(http: str) -> float:
+    with urllib.request.urlopen(f"{http}/metrics", timeout=30) as response:
+        lines = response.read().decode().splitlines()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith("kvgrid_requests_total{") and 'status="stop"' in line
+    )
+
+
+def test_each_embeddings_request_is_counted(http, stub):
+    before = requests_done(http)
+    post(f"{http}/v1/embeddings", {"input": TEXTS[:2]})
+    stub.Embed(generate_pb2.EmbedRequest(input=TEXTS[:2]), timeout=120)
+    assert requests_done(http) == before + 2

@@ -23,7 +23,9 @@ from services.common.tracing import extract
 from services.tokenizer.embedding import Embeddings, embed
 from services.tokenizer.engine_client import EngineClient
 from services.tokenizer.frontdoor import EngineRequest, FrontDoor, Prompt, TextPrompt, TokensPrompt
+from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.openai.protocol import CheckedModel, UInt32, refuse_unsupported
+from services.tokenizer.request_metrics import RequestMetrics
 
 # The client's names of the front door's fields.
 _PUBLIC = {"pooling.dimensions": "dimensions", "pooling.pooling_type": "pooling_type"}
@@ -120,8 +122,10 @@ def render(request_id: str, model: str, result: Embeddings, encoding_format: str
 
 
 async def serve_embeddings(
-    req: EmbeddingRequest, door: FrontDoor, engine: EngineClient, model: str, raw: Request
+    req: EmbeddingRequest, door: FrontDoor, engine: EngineClient, model: str, raw: Request, metrics: TokenizerMetrics
 ) -> EmbeddingResponse:
-    request_id, prepared = await prepare_embeddings(req, door)
-    result = await embed(engine, prepared, parent_context=extract(raw.headers))
+    with RequestMetrics(metrics, req.request_id or "") as tracked:
+        request_id, prepared = await prepare_embeddings(req, door)
+        parent = extract(raw.headers)
+        result = await embed(engine, prepared, request_id=request_id, parent_context=parent, tracked=tracked)
     return render(request_id, model, result, req.encoding_format)

@@ -52,7 +52,7 @@ class OpenAIServing:
         model = check_model(req.model, self.served_model())
         self.state.stream_started()  # a drain waits for it
         try:
-            return await until_disconnected(raw, serve_embeddings(req, door, self.engine, model, raw))
+            return await until_disconnected(raw, serve_embeddings(req, door, self.engine, model, raw, self.metrics))
         finally:
             self.state.stream_ended()
 
