@@ -136,3 +136,22 @@ def test_a_preempted_pooling_request_is_computed_again_from_its_first_token():
         for result in s.update_from_output(out, [], {rid: [3.0] for rid in done}):
             vectors[result.request.request_id] = result.pooled
     assert vectors == {"p": [3.0]} and s.kv.pool.num_used_blocks == 0
+
+
+def test_mean_pooling_loads_nothing_from_the_kv_tiers():
+    from tests.scheduler.core import Driver
+    from tests.scheduler.test_kv_tiers import BS, with_tiers
+
+    s = make_scheduler(num_blocks=16, block_size=BS)
+    driver = Driver(s)
+    tiers = with_tiers(s, driver.model, redis=True)
+    prompt = list(range(10, 23))
+    s.add_request(make_request("a", prompt, max_tokens=4))
+    driver.run()  # its blocks are written through to the Redis tier
+    other = make_scheduler(num_blocks=16, block_size=BS)
+    with_tiers(other, Driver(other).model, redis=True).redis.client = tiers.redis.client
+    other.add_request(pooling_request("m", prompt, "mean"))
+    other.add_request(pooling_request("l", prompt, "last"))
+    out = other.schedule()
+    loads = {new.request.request_id: (len(new.kv_loads), new.num_computed_tokens) for new in out.new_requests}
+    assert loads == {"m": (0, 0), "l": (3, 12)}
