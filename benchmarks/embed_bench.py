@@ -1,7 +1,7 @@
 """Embeddings per second through the stack (``--runner pooling``) against ``transformers`` batched, in one run.
 
     python -m benchmarks.embed_bench [--inputs 256] [--lengths 16-128] [--pooling-type last] [--threads 2]
-        [--rounds 2] [--hf-batch 32] [--concurrency 8]
+        [--rounds 3] [--hf-batch 32] [--concurrency 8]
 
 Workload: ``--inputs`` prompts of random plain token ids, lengths uniform in ``--lengths`` (a fixed seed), the
 embedded SmolLM2-135M in float32, ``--pooling-type`` pooling, normalized. Sides, measured one after the other so
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="16-128", help="prompt lengths in tokens, uniform in LOW-HIGH")
     parser.add_argument("--pooling-type", default="last", choices=["last", "mean", "cls"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2, help="turns of each side; medians")
+    parser.add_argument("--rounds", type=int, default=3, help="turns of each side; medians")
     parser.add_argument("--hf-batch", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8, help="concurrent /v1/embeddings requests")
     args = parser.parse_args()
