@@ -19,6 +19,7 @@ BENCHMARKS = [
     ["benchmarks.worker_bench", "--dtype", "bfloat16"],
     ["benchmarks.worker_bench", "--dtype", "float32"],
     ["benchmarks.offline_bench"],
+    ["benchmarks.embed_bench"],
     ["benchmarks.worker_bench", "--dtype", "float32", "--quantization", "gguf"],
     ["benchmarks.quant_bench"],
     ["benchmarks.serving_bench"],

@@ -204,6 +204,18 @@ def attention(d: dict) -> tuple[Table, str]:
     return table(head, rows), headline + (f", {ratio(vs / best['ms'])} the torch backend" if vs else "")
 
 
+def embed(d: dict) -> tuple[Table, str]:
+    a, r = d["args"], d["result"]
+    tokens_per_input = r["num_prompt_tokens"] / r["inputs"]
+    head = ["inputs", "lengths", "pooling", "stack embeddings/s", "transformers embeddings/s", "stack prompt tok/s"]
+    head += ["stack / transformers", "lowest cosine"]
+    row = [str(r["inputs"]), a["lengths"], a["pooling_type"], num(r["stack_embeddings_per_s"])]
+    row += [num(r["hf_embeddings_per_s"]), num(r["stack_embeddings_per_s"] * tokens_per_input, 0)]
+    row += [ratio(r["stack_over_hf"]), f"{r['min_cosine']:.6f}"]
+    headline = f"{num(r['stack_embeddings_per_s'])} embeddings/s, {ratio(r['stack_over_hf'])} transformers"
+    return table(head, [row]), headline + f" ({r['inputs']} inputs of {a['lengths']} tokens)"
+
+
 def on_gpu_machine(d: dict) -> bool:
     return bool(d["run"]["machine"].get("gpu"))
 
@@ -255,6 +267,7 @@ BENCHES = [
     Bench("structured_bench", "Structured-output masks", "the same batch with unconstrained companions", structured),
     Bench("http_vs_grpc_bench", "HTTP against gRPC", "gRPC `Generate` on the same workload", http_vs_grpc),
     Bench("routing_bench", "Routing across groups", "round-robin routing", routing),
+    Bench("embed_bench", "Embeddings (pooling runner)", "`transformers` batched, sorted by length", embed),
     Bench("tp_bench", "Tensor parallel", "tensor-parallel size 1", tensor_parallel),
     Bench("attention_bench", "Paged attention kernels", "the torch attention backend", attention, ("gpu",), always),
 ]

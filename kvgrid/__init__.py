@@ -14,8 +14,19 @@ _LAZY = {
     "LLM": "kvgrid.offline.llm",
     "SamplingParams": "kvgrid.offline.sampling_params",
     "RequestOutput": "kvgrid.offline.outputs",
+    "PoolingParams": "kvgrid.offline.pooling",
+    "EmbeddingRequestOutput": "kvgrid.offline.pooling",
+    "PoolingRequestOutput": "kvgrid.offline.pooling",
 }
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "EmbeddingRequestOutput",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

@@ -60,9 +60,10 @@ class OfflineEngine:
         scheduled = self.states.apply(plan)
         rows, num_failed = self.core.execute(plan, scheduled)
         seconds = time.perf_counter() - started
-        sampled = [(r.request.request_id, r.token_id, r.logprob) for r in rows]
+        sampled = [(r.request.request_id, r.token_id, r.logprob) for r in rows if r.pooled is None]
+        pooled = {r.request.request_id: r.pooled for r in rows if r.pooled is not None}
         scored = [(c.request_id, c.start, list(c.logprobs)) for c in prompt_logprobs.take(scheduled)]
-        return self.scheduler_core.finish_step(out, sampled, seconds, num_failed, scored)
+        return self.scheduler_core.finish_step(out, sampled, seconds, num_failed, scored, pooled)
 
     def stats(self) -> EngineStats:
         return self.scheduler_core.counters()

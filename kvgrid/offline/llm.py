@@ -24,6 +24,14 @@ from typing import Any
 from kvgrid.offline.engine import EngineStats, OfflineEngine
 from kvgrid.offline.options import offline_config
 from kvgrid.offline.outputs import OutputCollector, RequestOutput, request_output
+from kvgrid.offline.pooling import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingParams,
+    PoolingRequestOutput,
+    run_pooling,
+)
 from kvgrid.offline.progress import Progress
 from kvgrid.offline.sampling_params import SamplingParams
 from kvgrid.v1 import generate_pb2, scheduler_pb2
@@ -97,7 +105,7 @@ class LLM:
             vocab_size=info.vocab_size or self.tokenizer.vocab_size,
             max_prompt_chars=config.limits.max_prompt_chars if config.limits is not None else 0,
         )
-        self.front_door = FrontDoor(self.tokenizer, limits)
+        self.front_door = FrontDoor(self.tokenizer, limits, info.pooler if info.HasField("pooler") else None)
         self._next_id = 0
 
     @property
@@ -138,6 +146,48 @@ class LLM:
         ]
         return self.run(prepared, use_tqdm)
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt, in order (an LLM built with ``runner="pooling"``). A prompt is text or a list of
+        token ids. Every prompt is checked before any runs: ValueError names the first bad one."""
+        return [
+            EmbeddingRequestOutput(rid, EmbeddingOutput(vector), ids)
+            for rid, ids, vector in self._pool(prompts, pooling_params, use_tqdm)
+        ]
+
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """``embed`` with vLLM's ``PoolingRequestOutput``: each vector as a float32 tensor."""
+        import torch
+
+        return [
+            PoolingRequestOutput(rid, PoolingOutput(torch.tensor(vector, dtype=torch.float32)), ids)
+            for rid, ids, vector in self._pool(prompts, pooling_params, use_tqdm)
+        ]
+
+    def _pool(self, prompts, params: PoolingParams | None, use_tqdm: bool) -> list[tuple[str, list[int], list]]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        given = [
+            TextPrompt(p, f"prompts[{i}]") if isinstance(p, str) else TokensPrompt(list(p), f"prompts[{i}]")
+            for i, p in enumerate(prompts)
+        ]
+        try:
+            prepared = self.front_door.prepare_pooling(given, (params or PoolingParams()).to_proto(), "pool")
+            admitted = [self.admit(r).request for r in prepared]
+        except KvgridError as e:
+            raise ValueError(str(e)) from None
+        vectors = run_pooling(self.engine, admitted, use_tqdm)
+        return [(r.request_id, r.prompt_token_ids, v) for r, v in zip(admitted, vectors, strict=True)]
+
     def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
         """Check and tokenize one prompt; ValueError with the frontend's message when the request is invalid."""
         given = TextPrompt(prompt) if isinstance(prompt, str) else TokensPrompt(list(prompt))
@@ -160,6 +210,7 @@ class LLM:
             request_id=str(self._next_id),
             prompt_token_ids=engine_request.prompt_ids,
             sampling=engine_request.scheduler_sampling(),
+            pooling=engine_request.pooling,
         )
         request = admit(submit, self.engine.admission, live=(), num_waiting=0)
         self._next_id += 1

@@ -115,3 +115,13 @@ class TokenLogprob(_message.Message):
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     token: str
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., token: _Optional[str] = ...) -> None: ...
+
+class PoolingParams(_message.Message):
+    __slots__ = ("pooling_type", "normalize", "dimensions")
+    POOLING_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    pooling_type: str
+    normalize: bool
+    dimensions: int
+    def __init__(self, pooling_type: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ...) -> None: ...

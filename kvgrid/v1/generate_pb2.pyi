@@ -92,7 +92,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "num_kv_blocks", "block_size", "dtype", "eos_token_ids", "device")
+    __slots__ = ("model", "max_model_len", "vocab_size", "num_kv_blocks", "block_size", "dtype", "eos_token_ids", "device", "runner", "supported_tasks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,8 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RUNNER_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTED_TASKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -109,4 +111,42 @@ class ModelInfo(_message.Message):
     dtype: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     device: str
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ...) -> None: ...
+    runner: str
+    supported_tasks: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., runner: _Optional[str] = ..., supported_tasks: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("input", "input_token_ids", "pooling", "request_id")
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    input: _containers.RepeatedScalarFieldContainer[str]
+    input_token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    pooling: _common_pb2.PoolingParams
+    request_id: str
+    def __init__(self, input: _Optional[_Iterable[str]] = ..., input_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., pooling: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("data", "usage", "request_id")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    data: _containers.RepeatedCompositeFieldContainer[Embedding]
+    usage: _common_pb2.Usage
+    request_id: str
+    def __init__(self, data: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("index", "embedding")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, index: _Optional[int] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...

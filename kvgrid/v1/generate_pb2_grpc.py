@@ -60,6 +60,11 @@ class TextGenerationStub:
                 request_serializer=kvgrid_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=kvgrid_dot_v1_dot_generate__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/kvgrid.v1.TextGeneration/Embed',
+                request_serializer=kvgrid_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=kvgrid_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServicer:
@@ -101,6 +106,14 @@ class TextGenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed texts or token-id prompts with a pooling server (--runner pooling): one vector per input, in order.
+        A generating server answers INVALID_ARGUMENT (and a pooling server refuses Generate and Chat the same way).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +141,11 @@ def add_TextGenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=kvgrid_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=kvgrid_dot_v1_dot_generate__pb2.ModelInfo.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=kvgrid_dot_v1_dot_generate__pb2.EmbedRequest.FromString,
+                    response_serializer=kvgrid_dot_v1_dot_generate__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +284,33 @@ class TextGeneration:
             '/kvgrid.v1.TextGeneration/GetModelInfo',
             kvgrid_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             kvgrid_dot_v1_dot_generate__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvgrid.v1.TextGeneration/Embed',
+            kvgrid_dot_v1_dot_generate__pb2.EmbedRequest.SerializeToString,
+            kvgrid_dot_v1_dot_generate__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

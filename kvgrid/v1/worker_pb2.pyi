@@ -32,7 +32,7 @@ class MemoryProfile(_message.Message):
     def __init__(self, method: _Optional[str] = ..., total_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., peak_activation_bytes: _Optional[int] = ..., non_torch_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("model", "architecture", "dtype", "device", "block_size", "num_blocks", "bytes_per_block", "max_model_len", "vocab_size", "eos_token_ids", "memory", "tokenizer_files", "max_num_batched_tokens", "max_num_seqs", "worker_id", "load_seconds", "num_host_blocks", "kv_tiers", "sliding_window")
+    __slots__ = ("model", "architecture", "dtype", "device", "block_size", "num_blocks", "bytes_per_block", "max_model_len", "vocab_size", "eos_token_ids", "memory", "tokenizer_files", "max_num_batched_tokens", "max_num_seqs", "worker_id", "load_seconds", "num_host_blocks", "kv_tiers", "sliding_window", "pooler")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class HandshakeResponse(_message.Message):
     NUM_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    POOLER_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     dtype: str
@@ -78,7 +79,18 @@ class HandshakeResponse(_message.Message):
     num_host_blocks: int
     kv_tiers: _containers.RepeatedScalarFieldContainer[str]
     sliding_window: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., memory: _Optional[_Union[MemoryProfile, _Mapping]] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., worker_id: _Optional[str] = ..., load_seconds: _Optional[float] = ..., num_host_blocks: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ...) -> None: ...
+    pooler: PoolerConfig
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., memory: _Optional[_Union[MemoryProfile, _Mapping]] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., worker_id: _Optional[str] = ..., load_seconds: _Optional[float] = ..., num_host_blocks: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ..., pooler: _Optional[_Union[PoolerConfig, _Mapping]] = ...) -> None: ...
+
+class PoolerConfig(_message.Message):
+    __slots__ = ("pooling_type", "normalize", "hidden_size")
+    POOLING_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    pooling_type: str
+    normalize: bool
+    hidden_size: int
+    def __init__(self, pooling_type: _Optional[str] = ..., normalize: _Optional[bool] = ..., hidden_size: _Optional[int] = ...) -> None: ...
 
 class KvTierBlock(_message.Message):
     __slots__ = ("block_id", "host_slot", "redis_key")
@@ -91,7 +103,7 @@ class KvTierBlock(_message.Message):
     def __init__(self, block_id: _Optional[int] = ..., host_slot: _Optional[int] = ..., redis_key: _Optional[str] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "trace_context", "kv_loads", "num_prompt_logprobs_done")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "trace_context", "kv_loads", "num_prompt_logprobs_done", "pooling")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +121,7 @@ class NewRequest(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     KV_LOADS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_LOGPROBS_DONE_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -119,7 +132,8 @@ class NewRequest(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     kv_loads: _containers.RepeatedCompositeFieldContainer[KvTierBlock]
     num_prompt_logprobs_done: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., kv_loads: _Optional[_Iterable[_Union[KvTierBlock, _Mapping]]] = ..., num_prompt_logprobs_done: _Optional[int] = ...) -> None: ...
+    pooling: _common_pb2.PoolingParams
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., kv_loads: _Optional[_Iterable[_Union[KvTierBlock, _Mapping]]] = ..., num_prompt_logprobs_done: _Optional[int] = ..., pooling: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ...) -> None: ...
 
 class RunningRequest(_message.Message):
     __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens")
@@ -158,18 +172,20 @@ class SampledToken(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled", "execute_seconds", "num_kv_load_failed_tokens", "prompt_logprobs")
+    __slots__ = ("step_id", "sampled", "execute_seconds", "num_kv_load_failed_tokens", "prompt_logprobs", "pooled")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_LOAD_FAILED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     execute_seconds: float
     num_kv_load_failed_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., num_kv_load_failed_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    pooled: _containers.RepeatedCompositeFieldContainer[PooledOutput]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., execute_seconds: _Optional[float] = ..., num_kv_load_failed_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PooledOutput, _Mapping]]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("request_id", "start", "logprobs")
@@ -180,3 +196,11 @@ class PromptLogprobs(_message.Message):
     start: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptLogprob]
     def __init__(self, request_id: _Optional[str] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptLogprob, _Mapping]]] = ...) -> None: ...
+
+class PooledOutput(_message.Message):
+    __slots__ = ("request_id", "data")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    data: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., data: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -55,6 +55,11 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+RUNNERS = ("generate", "pooling")
+POOLING_TYPES = ("last", "mean", "cls")
+TASKS = ("auto", "generate", "embed")
+
+
 @dataclass(slots=True)
 class ModelConfig:
     model: str = _opt("", "HF model directory, GGUF file, or empty for the embedded SmolLM2-135M-Instruct")
@@ -63,11 +68,27 @@ class ModelConfig:
     dtype: str = _opt("auto", "weight and KV cache dtype", ("auto", "bfloat16", "float16", "float32"))
     max_model_len: int = _opt(0, "longest sequence in tokens (0: the model's own limit)")
     seed: int = _opt(0, "seed for requests that give none")
+    runner: str = _opt(
+        "generate",
+        "what the worker runs the model as: generate (completions, chat) or pooling (embeddings: /v1/embeddings)",
+        RUNNERS,
+    )
+    pooling_type: str = _opt(
+        "last", "pooling runner: how a prompt's hidden states become one vector by default", POOLING_TYPES
+    )
+    normalize: bool = _opt(True, "pooling runner: scale vectors to unit L2 norm unless a request says otherwise")
+    task: str = _opt("auto", "vLLM's older name for --runner: embed means pooling (auto: as --runner says)", TASKS)
+
+    def __post_init__(self) -> None:
+        if self.task == "embed":
+            self.runner = "pooling"
 
     def validate(self) -> list[str]:
         errors = []
         if self.max_model_len < 0:
             errors.append(f"--max-model-len must be >= 0, got {self.max_model_len}")
+        if self.task == "generate" and self.runner != "generate":
+            errors.append(f"--task generate contradicts --runner {self.runner}")
         return errors
 
     @property

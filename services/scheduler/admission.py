@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 from kvgrid.v1 import scheduler_pb2
 from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from services.common.pooling import check_resolved, check_runner
 from services.common.request_checks import check_sampling_fields
 from services.scheduler.convert import stop_conditions_from_proto
 from services.scheduler.kv_cache_manager import cdiv
-from services.scheduler.request import Request
+from services.scheduler.request import Request, StopConditions
 
 
 @dataclass(slots=True)
@@ -26,6 +27,7 @@ class AdmissionLimits:
     vocab_size: int
     max_waiting_requests: int
     window_fits: bool = False  # blocks behind a sliding window are freed: a prompt longer than the pool fits
+    pooling: bool = False  # the worker is a pooling runner: pooling requests only (and only they)
 
     @property
     def pool_tokens(self) -> int:
@@ -37,6 +39,10 @@ def admit(msg: scheduler_pb2.SubmitRequest, limits: AdmissionLimits, live: Conta
     request_id = msg.request_id or uuid.uuid4().hex
     if request_id in live:
         raise AlreadyExists(f"request_id: a live request already has id {request_id!r}")
+    pooling = msg.pooling if msg.HasField("pooling") else None
+    check_runner("pooling", pooling is not None, limits.pooling)
+    if pooling is not None:
+        check_resolved(pooling)
     check_sampling_fields(msg.sampling, limits.max_model_len, limits.vocab_size or 2**32)
     prompt = list(msg.prompt_token_ids)
     num_prompt = len(prompt)
@@ -62,9 +68,12 @@ def admit(msg: scheduler_pb2.SubmitRequest, limits: AdmissionLimits, live: Conta
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt,
-        stop=stop_conditions_from_proto(msg.sampling),
+        # A pooling request's one "output" is its vector: planned like a single sampled token, never a decode.
+        stop=StopConditions(max_tokens=1) if pooling is not None else stop_conditions_from_proto(msg.sampling),
         sampling=msg.sampling,
         priority=msg.priority,
         arrival_time=time.monotonic(),
         wants_prompt_logprobs=msg.sampling.HasField("prompt_logprobs"),
+        pooling=pooling,
+        skip_prefix_cache=pooling is not None and pooling.pooling_type != "last",
     )

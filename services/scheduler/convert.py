@@ -42,6 +42,7 @@ def plan_to_proto(out: SchedulerOutput) -> worker_pb2.StepPlan:
                 trace_context=request.trace_context,
                 kv_loads=[tier_block_to_proto(load) for load in new.kv_loads],
                 num_prompt_logprobs_done=request.num_prompt_logprobs,
+                pooling=request.pooling,
             )
         )
     running = plan.running
@@ -76,9 +77,18 @@ def prompt_logprobs_from_proto(result: worker_pb2.StepResult) -> list[tuple]:
     return [(chunk.request_id, chunk.start, list(chunk.logprobs)) for chunk in result.prompt_logprobs]
 
 
+def pooled_from_proto(result: worker_pb2.StepResult) -> dict[str, list[float]]:
+    """Pooling requests' vectors by request id."""
+    return {p.request_id: p.data for p in result.pooled}
+
+
 def add_output(response: scheduler_pb2.SubmitResponse, output: RequestOutput) -> None:
-    """Append one sampled token (and its logprob and finish reason, if any) to a request's delta."""
-    response.token_ids.append(output.token_id)
+    """Append one sampled token (and its logprob and finish reason, if any), or a pooling request's vector, to a
+    request's delta."""
+    if output.pooled is not None:
+        response.embedding.extend(output.pooled)
+    else:
+        response.token_ids.append(output.token_id)
     if output.logprob is not None:
         response.logprobs.append(output.logprob)
     if output.prompt_logprobs is not None:

@@ -81,6 +81,7 @@ class SchedulerCore:
             vocab_size=info.vocab_size,
             max_waiting_requests=sched.max_waiting_requests,
             window_fits=kv.window_fits(limits.max_num_batched_tokens),
+            pooling=info.HasField("pooler"),
         )
         return cls(Scheduler(limits, kv, info.eos_token_ids, tiers), admission, metrics)
 
@@ -99,16 +100,18 @@ class SchedulerCore:
         execute_seconds: float,
         num_kv_load_failed_tokens: int = 0,
         prompt_logprobs: Iterable[PromptLogprobsChunk] = (),
+        pooled: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """The worker ran ``out`` in ``execute_seconds`` and sampled ``(request_id, token_id, logprob)`` rows,
-        computing ``num_kv_load_failed_tokens`` of its KV tier loads instead, and scored ``prompt_logprobs``;
-        returns the tokens with finish states. Plans must be finished in the order they were planned."""
+        """The worker ran ``out`` in ``execute_seconds`` and sampled ``(request_id, token_id, logprob)`` rows
+        (and pooled vectors by request id, for pooling requests), computing ``num_kv_load_failed_tokens`` of its KV
+        tier loads instead, and scored ``prompt_logprobs``; returns the tokens with finish states. Plans must be
+        finished in the order they were planned."""
         scheduler = self.scheduler
         self.num_steps += out.num_steps
         scheduler.plan_steps.record(out, execute_seconds)
         if num_kv_load_failed_tokens and scheduler.tiers is not None:
             scheduler.tiers.record_failed_loads(num_kv_load_failed_tokens, out.kv_loads())
-        outputs = scheduler.update_from_output(out, sampled, prompt_logprobs)
+        outputs = scheduler.update_from_output(out, sampled, prompt_logprobs, pooled)
         if self.metrics is not None:
             self.metrics.record_state(scheduler)
         return outputs

@@ -32,7 +32,12 @@ from services.common.config import Config
 from services.common.errors import ResourceExhausted, Unavailable
 from services.scheduler import plan_steps
 from services.scheduler.admission import admit
-from services.scheduler.convert import plan_to_proto, prompt_logprobs_from_proto, sampled_from_proto
+from services.scheduler.convert import (
+    plan_to_proto,
+    pooled_from_proto,
+    prompt_logprobs_from_proto,
+    sampled_from_proto,
+)
 from services.scheduler.core import SchedulerCore, StepCounters
 from services.scheduler.frontends import FrontendRequest, FrontendStream
 from services.scheduler.kv_events import KvEventLog
@@ -317,10 +322,11 @@ class Engine:
                 out = in_flight.popleft()
                 if result.step_id != out.step_id:
                     raise WorkerProtocolError(f"result for step {result.step_id}, expected {out.step_id}")
-                sampled = sampled_from_proto(result)
+                sampled, pooled = sampled_from_proto(result), pooled_from_proto(result)
                 prompt_logprobs = prompt_logprobs_from_proto(result) if result.prompt_logprobs else ()
                 failed = result.num_kv_load_failed_tokens
-                self._deliver(core.finish_step(out, sampled, result.execute_seconds, failed, prompt_logprobs))
+                outputs = core.finish_step(out, sampled, result.execute_seconds, failed, prompt_logprobs, pooled)
+                self._deliver(outputs)
         finally:
             call.cancel()
 

@@ -63,7 +63,10 @@ class FrontendRequest:
 
     def push(self, output: RequestOutput) -> None:
         delta = self.frontend.delta(self.request)
-        delta.token_ids.append(output.token_id)
+        if output.pooled is not None:
+            delta.embedding.extend(output.pooled)
+        else:
+            delta.token_ids.append(output.token_id)
         if output.logprob is not None:
             delta.logprobs.append(output.logprob)
         if output.prompt_logprobs is not None:

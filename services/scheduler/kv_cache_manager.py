@@ -72,7 +72,7 @@ class KVCacheManager:
 
         Never the whole sequence: the last token is always computed, because its logits are needed.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size

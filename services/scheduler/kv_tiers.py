@@ -191,7 +191,10 @@ class KvTiers:
     def lookup(self, request: Request, num_device_blocks: int) -> list[TierBlock]:
         """Blocks of the prompt right after the device hit that the tiers hold (``block_id`` unset: -1).
 
-        Never the last token's block span: like a device hit, the last token is always computed."""
+        Never the last token's block span: like a device hit, the last token is always computed; and nothing for a
+        request that computes every token (``skip_prefix_cache``)."""
+        if request.skip_prefix_cache:
+            return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes
         loads: list[TierBlock] = []
@@ -228,6 +231,8 @@ class KvTiers:
     def commit(self, request: Request, loads: list[TierBlock], block_ids: list[int], num_device_blocks: int) -> None:
         """The request was admitted with ``loads``: give them their device blocks and count the lookup."""
         self._probed.clear()
+        if request.skip_prefix_cache:
+            return  # no lookup was made
         for load, block_id in zip(loads, block_ids[num_device_blocks:], strict=False):
             load.block_id = block_id
         max_blocks = (request.num_tokens - 1) // self.block_size

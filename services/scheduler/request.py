@@ -45,6 +45,11 @@ class Request:
     # Monotonic seconds at arrival (for the queue-time metric).
     arrival_time: float = 0.0
     trace_context: dict[str, str] = field(default_factory=dict)
+    # Opaque like sampling: a pooling request's PoolingParams. It is prefill only: the step that computes its last
+    # prompt token ends it with the worker's pooled vector, and nothing is sampled for it.
+    pooling: Any = None
+    # Every prompt token must be computed (no prefix-cache hit): mean and cls pooling read all of them.
+    skip_prefix_cache: bool = False
 
     status: RequestStatus = RequestStatus.WAITING
     # Prompt followed by outputs; the last token has no K/V yet once anything was sampled.

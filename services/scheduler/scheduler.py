@@ -110,6 +110,7 @@ class RequestOutput:
     finish: RequestStatus | None = None
     # The request's prompt logprobs (SamplingParams.prompt_logprobs), on its first token only.
     prompt_logprobs: list[Any] | None = None
+    pooled: Any = None  # a pooling request's vector (its only output; token_id means nothing then)
 
 
 class Scheduler:
@@ -328,9 +329,11 @@ class Scheduler:
         out: SchedulerOutput,
         sampled: Iterable[tuple[str, int, Any]],
         prompt_logprobs: Iterable[PromptLogprobsChunk] = (),
+        pooled: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply a step's sampled tokens ``(request_id, token_id, logprob)``; returns them with finish states.
-        The step's prompt logprobs gather on their requests first, and leave with each request's first token.
+        """Apply a step's sampled tokens ``(request_id, token_id, logprob)`` and pooled vectors (request id ->
+        vector); returns them with finish states. The step's prompt logprobs gather on their requests first, and
+        leave with each request's first token.
 
         A token is kept only for the very request object the plan sampled for, still running: a request aborted,
         preempted or finished (one step late, under async scheduling) while the step ran loses its token, and
@@ -364,6 +367,11 @@ class Scheduler:
                     if request.status is running:
                         cache(request)
                     continue
+                if request.pooling is not None:
+                    if request.status is running and requests.get(request_id) is request:
+                        results.append(self._finish_pooled(request, (pooled or {}).get(request_id), out.step_id))
+                        num_finished += 1
+                    continue
                 samples = tokens.pop(request_id, None)
                 if request.status is not running or requests.get(request_id) is not request:
                     continue  # its tokens (if any) are discarded
@@ -393,6 +401,16 @@ class Scheduler:
         if num_finished:
             self.running = [request for request in self.running if request.status is running]
         return results
+
+    def _finish_pooled(self, request: Request, vector: Any, step_id: int) -> RequestOutput:
+        """A pooling request's prompt is computed: it ends with its vector and its blocks are freed now."""
+        if vector is None:
+            raise WorkerProtocolError(f"step {step_id}: no pooled vector for {request.request_id!r}")
+        request.num_output_placeholders = 0
+        self.kv.cache_computed_blocks(request)
+        del self.requests[request.request_id]
+        self._release(request, RequestStatus.FINISHED_STOPPED)
+        return RequestOutput(request, 0, None, RequestStatus.FINISHED_STOPPED, vector)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         stop = request.stop

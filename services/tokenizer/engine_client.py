@@ -41,7 +41,12 @@ class EngineClient(Protocol):
     ``Router`` (every group of the deployment)."""
 
     async def submit(
-        self, request_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams, trace_context: dict[str, str]
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: common_pb2.SamplingParams,
+        trace_context: dict[str, str],
+        pooling: common_pb2.PoolingParams | None = None,
     ) -> RequestHandle: ...
 
     def abort(self, request_id: str) -> None: ...
@@ -101,8 +106,10 @@ class SchedulerClient:
         prompt_ids: list[int],
         sampling: common_pb2.SamplingParams,
         trace_context: dict[str, str],
+        pooling: common_pb2.PoolingParams | None = None,
     ) -> RequestHandle:
-        """Start ``request_id``; ``sampling`` is the scheduler-facing form (``EngineRequest.scheduler_sampling``)."""
+        """Start ``request_id``; ``sampling`` is the scheduler-facing form (``EngineRequest.scheduler_sampling``);
+        ``pooling`` makes it a pooling request (its one delta carries the vector)."""
         if request_id in self._handles:
             raise AlreadyExists(f"request_id: a live request already has id {request_id!r}")
         if not self._connected.is_set():
@@ -113,7 +120,11 @@ class SchedulerClient:
         handle = RequestHandle(self, request_id)
         self._handles[request_id] = handle
         submit = scheduler_pb2.SubmitRequest(
-            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, trace_context=trace_context
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            trace_context=trace_context,
+            pooling=pooling,
         )
         if not self._outbox or self._outbox[-1].aborts:
             self._outbox.append(scheduler_pb2.FrontendMessage())

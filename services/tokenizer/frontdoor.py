@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from kvgrid.v1 import common_pb2, generate_pb2
+from kvgrid.v1 import common_pb2, generate_pb2, worker_pb2
+from services.common import pooling
 from services.common.errors import InvalidArgument
 from services.tokenizer import validation as v
 from services.tokenizer.text_tokenizer import TextTokenizer
@@ -27,6 +28,8 @@ LONG_INPUT_CHARS = 8192
 # The prompt-length cap of a caller that knows no model limits (``tokenize`` without ``max_chars``): what a
 # model of 8192 tokens allows (see ``validation.MAX_CHARS_PER_TOKEN``).
 DEFAULT_MAX_PROMPT_CHARS = v.MAX_CHARS_PER_TOKEN * 8192
+# Inputs of one embeddings request (OpenAI's limit).
+MAX_POOLING_INPUTS = 2048
 
 
 @dataclass(slots=True)
@@ -62,6 +65,7 @@ class EngineRequest:
     sampling: common_pb2.SamplingParams  # as the client asked (stop strings kept: the output path applies them)
     max_tokens: int  # max_tokens resolved and capped so that prompt + output fits the model
     prompt_text: str | None = None  # the prompt as text, when it was given as text
+    pooling: common_pb2.PoolingParams | None = None  # a pooling request's params, resolved (no sampling then)
 
     def scheduler_sampling(self) -> common_pb2.SamplingParams:
         """The sampling params the scheduler gets: max_tokens explicit, stop strings left to the frontend."""
@@ -83,9 +87,11 @@ class FrontDoor:
 
     tokenizer: TextTokenizer
     limits: v.ModelLimits
+    pooler: worker_pb2.PoolerConfig | None = None  # a pooling server's defaults (--runner pooling); None: generate
 
     def prepare(self, prompt: Prompt, sampling: common_pb2.SamplingParams, request_id: str) -> EngineRequest:
         """Raises ``InvalidArgument`` naming the first bad field: request id, sampling, prompt, length."""
+        pooling.check_runner("model", False, self.pooler is not None)
         v.check_request_id(request_id)
         check_prompt_size(prompt, self.limits.max_prompt_chars)
         v.check_sampling(sampling, self.limits)
@@ -99,6 +105,38 @@ class FrontDoor:
         max_tokens = min(sampling.max_tokens or v.DEFAULT_MAX_TOKENS, room)
         text = prompt.text if isinstance(prompt, TextPrompt) else None
         return EngineRequest(request_id, ids, sampling, max_tokens, text)
+
+    def prepare_pooling(
+        self, prompts: list[Prompt], params: common_pb2.PoolingParams, request_id: str
+    ) -> list[EngineRequest]:
+        """Pooling requests (embeddings) for ``prompts``, one each, with ids ``<request_id>-<i>`` and the params
+        resolved with the server's defaults. Raises ``InvalidArgument`` naming the first bad field."""
+        pooling.check_runner("model", True, self.pooler is not None)
+        v.check_request_id(request_id)
+        if not prompts or len(prompts) > MAX_POOLING_INPUTS:
+            raise InvalidArgument("input", f"give 1 to {MAX_POOLING_INPUTS} inputs, got {len(prompts)}")
+        resolved = pooling.resolve(params, self.pooler)
+        requests = []
+        for i, prompt in enumerate(prompts):
+            check_prompt_size(prompt, self.limits.max_prompt_chars)
+            if isinstance(prompt, TextPrompt) and prompt.text == "":
+                raise InvalidArgument(prompt.field, "empty: give text or token ids")
+            ids = _tokenize(self.tokenizer, prompt)
+            if isinstance(prompt, TokensPrompt):
+                v.check_token_ids(prompt.field, ids, self.limits.vocab_size)
+            v.check_prompt_length(prompt.field, len(ids), self.limits)
+            text = prompt.text if isinstance(prompt, TextPrompt) else None
+            sampling = common_pb2.SamplingParams()
+            requests.append(EngineRequest(f"{request_id}-{i}", ids, sampling, 0, text, resolved))
+        return requests
+
+    async def prepare_pooling_async(
+        self, prompts: list[Prompt], params: common_pb2.PoolingParams, request_id: str
+    ) -> list[EngineRequest]:
+        """``prepare_pooling``, with many or long inputs tokenized off the event loop."""
+        if sum(num_chars(prompt) for prompt in prompts) < LONG_INPUT_CHARS:
+            return self.prepare_pooling(prompts, params, request_id)
+        return await asyncio.to_thread(self.prepare_pooling, prompts, params, request_id)
 
     async def prepare_async(
         self, prompt: Prompt, sampling: common_pb2.SamplingParams, request_id: str

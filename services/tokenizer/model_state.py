@@ -14,6 +14,7 @@ from typing import TypeVar
 
 from kvgrid.v1 import generate_pb2, worker_pb2
 from services.common.errors import Unavailable
+from services.common.pooling import TASKS, runner_of
 from services.tokenizer.frontdoor import FrontDoor
 from services.tokenizer.grammar_check import GrammarChecker
 from services.tokenizer.text_tokenizer import TextTokenizer
@@ -154,7 +155,9 @@ class ModelState:
 
     def front_door(self) -> FrontDoor:
         """The front door for a new request; UNAVAILABLE unless serving."""
-        return FrontDoor(*self.require_serving())
+        tokenizer, limits = self.require_serving()
+        info = self.require_info()
+        return FrontDoor(tokenizer, limits, info.pooler if info.HasField("pooler") else None)
 
     def max_prompt_chars(self) -> int | None:
         """The prompt cap in characters once the model is known (None before: the front door's default)."""
@@ -176,4 +179,6 @@ class ModelState:
             dtype=info.dtype,
             eos_token_ids=list(info.eos_token_ids),
             device=info.device,
+            runner=runner_of(info),
+            supported_tasks=TASKS[runner_of(info)],
         )

@@ -135,10 +135,11 @@ class Router:
         prompt_ids: list[int],
         sampling: common_pb2.SamplingParams,
         trace_context: dict[str, str],
+        pooling: common_pb2.PoolingParams | None = None,
     ) -> RequestHandle:
         if any(group.client.has(request_id) for group in self._all()):
             raise AlreadyExists(f"request_id: a live request already has id {request_id!r}")
-        return await self.pick(prompt_ids).client.submit(request_id, prompt_ids, sampling, trace_context)
+        return await self.pick(prompt_ids).client.submit(request_id, prompt_ids, sampling, trace_context, pooling)
 
     def abort(self, request_id: str) -> None:
         for group in self._all():

@@ -6,10 +6,11 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
-from kvgrid.v1 import generate_pb2, generate_pb2_grpc
+from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from services.common.errors import InvalidArgument, grpc_errors
 from services.common.tracing import context_from_metadata
 from services.tokenizer import validation as v
+from services.tokenizer.embedding import embed
 from services.tokenizer.engine_client import EngineClient
 from services.tokenizer.frontdoor import ChatPrompt, Prompt, TextPrompt, TokensPrompt, tokenize_async
 from services.tokenizer.generation import generate
@@ -69,6 +70,26 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     @grpc_errors
     async def GetModelInfo(self, request: generate_pb2.GetModelInfoRequest, context) -> generate_pb2.ModelInfo:
         return self._state.model_info()
+
+    @grpc_errors
+    async def Embed(self, request: generate_pb2.EmbedRequest, context) -> generate_pb2.EmbedResponse:
+        if request.input and request.input_token_ids:
+            raise InvalidArgument("input", "set exactly one of input and input_token_ids, not both")
+        prompts: list[Prompt] = [TextPrompt(text, f"input[{i}]") for i, text in enumerate(request.input)]
+        prompts += [
+            TokensPrompt(list(ids.token_ids), f"input_token_ids[{i}]") for i, ids in enumerate(request.input_token_ids)
+        ]
+        door = self._state.front_door()
+        request_id = request.request_id or uuid.uuid4().hex
+        with RequestMetrics(self._metrics, request_id) as tracked, _counted(self._state):
+            prepared = await door.prepare_pooling_async(prompts, request.pooling, request_id)
+            parent = context_from_metadata(context)
+            result = await embed(self._engine, prepared, request_id=request_id, parent_context=parent, tracked=tracked)
+        return generate_pb2.EmbedResponse(
+            data=[generate_pb2.Embedding(index=i, embedding=vector) for i, vector in enumerate(result.vectors)],
+            usage=common_pb2.Usage(prompt_tokens=result.num_prompt_tokens),
+            request_id=request_id,
+        )
 
     async def _run(self, request, prompt: Prompt, context, tracked: RequestMetrics) -> AsyncIterator:
         """A Generate or Chat request through the front door and the engine (its own id, or a new one)."""

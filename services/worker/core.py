@@ -72,7 +72,12 @@ class WorkerCore:
             )
 
         return RequestStates(
-            self.runner.block_size, self.runner.num_blocks, self.vocab_size, self.max_model_len, make_sampling
+            self.runner.block_size,
+            self.runner.num_blocks,
+            self.vocab_size,
+            self.max_model_len,
+            make_sampling,
+            pooling=self.handshake.HasField("pooler"),
         )
 
 
@@ -133,6 +138,15 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         load_seconds=loaded.load_seconds,
         sliding_window=loaded.args.freeing_window,
     )
+    if config.model.runner == "pooling":
+        handshake.pooler.CopyFrom(
+            worker_pb2.PoolerConfig(
+                pooling_type=config.model.pooling_type,
+                normalize=config.model.normalize,
+                hidden_size=loaded.args.hidden_size,
+            )
+        )
+        log.info("pooling runner: %s pooling, normalize %s", config.model.pooling_type, config.model.normalize)
     if metrics is not None:
         record_metrics(metrics, loaded, figures)
     grammars = grammar_cache(handshake)

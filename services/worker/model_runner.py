@@ -11,6 +11,7 @@ from kvgrid.v1 import common_pb2
 from services.worker.attention.base import AttentionMetadata
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from services.worker.models.llama import LlamaForCausalLM
+from services.worker.pooling import pool_step
 from services.worker.request_state import RequestState
 from services.worker.sampling.prompt_logprobs import PromptRows
 from services.worker.sampling.request_sampling import RequestSampling
@@ -26,6 +27,7 @@ class StepInputs:
     sampling_requests: list[RequestState]  # row i of the logits belongs to sampling_requests[i]
     batch: list[RequestState]  # in the order of the flat batch (decodes first)
     prompt_rows: PromptRows | None = None  # rows that score prompt tokens (SamplingParams.prompt_logprobs)
+    has_pooling: bool = False  # some request pools its hidden states (a pooling worker's steps)
 
 
 @dataclass(slots=True)
@@ -33,6 +35,7 @@ class SampledRow:
     request: RequestState
     token_id: int
     logprob: common_pb2.TokenLogprob | None
+    pooled: list[float] | None = None  # a pooling request's vector (its prompt is done; token_id means nothing)
 
 
 class ModelRunner:
@@ -80,6 +83,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampling_requests: list[RequestState] = []
         prompt_rows = PromptRows()
+        has_pooling = False
         for r in batch:
             start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_scheduled_tokens
             blocks = r.block_ids
@@ -91,7 +95,9 @@ class ModelRunner:
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             tables.append(blocks[: -(-end // bs)])
-            if r.samples_this_step:
+            if r.pooling is not None:
+                has_pooling = True
+            elif r.samples_this_step:
                 logits_indices.append(len(input_ids) - 1)
                 sampling_requests.append(r)
         width = max(len(t) for t in tables)
@@ -115,10 +121,16 @@ class ModelRunner:
             sampling_requests=sampling_requests,
             batch=batch,
             prompt_rows=prompt_rows or None,
+            has_pooling=has_pooling,
         )
 
     @torch.inference_mode()
     def compute_logits(self, inputs: StepInputs) -> torch.Tensor:  # [R, vocab]
+        return self.forward(inputs)[0]
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, list[SampledRow]]:
+        """The logits of the sampling rows, and the vectors of the pooling requests whose prompt this step ends."""
         if self.step_listener is not None:
             self.step_listener(inputs)
         graphs, meta = self.graphs, inputs.meta
@@ -129,18 +141,24 @@ class ModelRunner:
             and graphs.takes(meta)
             and len(inputs.sampling_requests) == meta.num_seqs
         ):
-            return graphs.run(inputs.input_ids, inputs.positions, meta)  # every row samples, in batch order
+            return graphs.run(inputs.input_ids, inputs.positions, meta), []  # every row samples, in batch order
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)  # [T, E]
         if prompt_rows is not None:
             prompt_rows.compute(self.model.compute_logits, hidden)
-        return self.model.compute_logits(hidden[inputs.logits_indices])
+        pooled = []
+        if inputs.has_pooling:
+            rows = pool_step(self.model.norm, hidden, inputs.batch, meta.query_lens_cpu)
+            pooled = [SampledRow(row.request, 0, None, row.data) for row in rows]
+            if not inputs.sampling_requests:
+                return hidden[:0], pooled
+        return self.model.compute_logits(hidden[inputs.logits_indices]), pooled
 
     def execute(self, requests: list[RequestState]) -> list[SampledRow]:
         """Run one step and commit it: computed counts advance, sampled tokens join their requests."""
         if not requests:
             return []
         inputs = self.prepare(requests)
-        logits = self.compute_logits(inputs)
+        logits, pooled = self.forward(inputs)
         rows: list[SampledRow] = []
         if inputs.sampling_requests:
             with torch.inference_mode():
@@ -155,7 +173,7 @@ class ModelRunner:
         for row in rows:
             row.request.token_ids.append(row.token_id)
             row.request.sampling.append(row.token_id)
-        return rows
+        return rows + pooled
 
     def execute_steps(self, requests: list[RequestState], num_steps: int) -> list[SampledRow]:
         """``execute`` ``num_steps`` times over a batch of decodes that all sample: each step computes the token

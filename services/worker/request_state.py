@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from kvgrid.v1 import common_pb2, worker_pb2
 from services.common.errors import InvalidArgument
+from services.common.pooling import check_resolved, check_runner
+from services.worker.pooling.pooler import PoolingState
 from services.worker.sampling.request_sampling import RequestSampling
 
 SamplingFactory = Callable[[common_pb2.SamplingParams, list[int], list[int]], RequestSampling]
@@ -27,6 +29,7 @@ class RequestState:
     prompt_logprobs: int = -1
     prompt_logprobs_next: int = 1
     prompt_logprobs_out: list = field(default_factory=list)
+    pooling: PoolingState | None = None  # a pooling request: its prompt is pooled, nothing is sampled
 
     @property
     def samples_this_step(self) -> bool:
@@ -38,13 +41,22 @@ class RequestStates:
     """All requests of one Execute stream; a new stream starts empty."""
 
     def __init__(
-        self, block_size: int, num_blocks: int, vocab_size: int, max_model_len: int, make_sampling: SamplingFactory
+        self,
+        block_size: int,
+        num_blocks: int,
+        vocab_size: int,
+        max_model_len: int,
+        make_sampling: SamplingFactory,
+        pooling: bool = False,
     ):
+        """``pooling``: the worker runs the model as a pooling model (--runner pooling) and takes pooling requests
+        only; otherwise generation requests only."""
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.make_sampling = make_sampling
+        self.pooling = pooling
         self.requests: dict[str, RequestState] = {}
 
     def apply(self, plan: worker_pb2.StepPlan) -> list[RequestState]:
@@ -78,6 +90,7 @@ class RequestStates:
                 sampling=self.make_sampling(new.sampling, prompt, token_ids[new.num_prompt_tokens :]),
                 num_scheduled_tokens=new.num_scheduled_tokens,
                 trace_context=dict(new.trace_context),
+                pooling=PoolingState.from_proto(new.pooling) if new.HasField("pooling") else None,
             )
             if new.sampling.HasField("prompt_logprobs"):
                 state.prompt_logprobs = new.sampling.prompt_logprobs
@@ -104,6 +117,7 @@ class RequestStates:
         if max(new.token_ids) >= self.vocab_size:
             raise InvalidArgument("new_requests.token_ids", f"{rid}: token id past the vocabulary ({self.vocab_size})")
         self._check_blocks(rid, "new_requests.block_ids", new.block_ids)
+        self._check_pooling(new)
         self._check_span(rid, "new_requests", new.num_computed_tokens, new.num_scheduled_tokens, n, len(new.block_ids))
 
     def _check_running(self, run: worker_pb2.RunningRequest, dropped: set[str], seen: set[str], num_steps: int) -> None:
@@ -127,6 +141,21 @@ class RequestStates:
         self._check_span(
             rid, "running", state.num_computed_tokens, run.num_scheduled_tokens + num_steps - 1, known, num_blocks
         )
+
+    def _check_pooling(self, new: worker_pb2.NewRequest) -> None:
+        rid, pooled = new.request_id, new.HasField("pooling")
+        check_runner("new_requests.pooling", pooled, self.pooling)
+        if not pooled:
+            return
+        check_resolved(new.pooling)
+        if new.num_prompt_tokens != len(new.token_ids):
+            raise InvalidArgument("new_requests.token_ids", f"{rid}: a pooling request has no output tokens")
+        params = new.pooling
+        if params.pooling_type != "last" and new.num_computed_tokens:
+            raise InvalidArgument(
+                "new_requests.num_computed_tokens",
+                f"{rid}: {params.pooling_type} pooling needs every prompt token computed",
+            )
 
     def _check_blocks(self, rid: str, where: str, block_ids) -> None:
         if block_ids and max(block_ids) >= self.num_blocks:

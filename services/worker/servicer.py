@@ -107,10 +107,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     self.metrics.record_step(seconds, num_steps)
                 yield worker_pb2.StepResult(
                     step_id=plan.step_id,
-                    sampled=[_sampled(row) for row in rows],
+                    sampled=[_sampled(row) for row in rows if row.pooled is None],
                     execute_seconds=seconds,
                     num_kv_load_failed_tokens=num_failed,
                     prompt_logprobs=prompt_logprobs.take(scheduled),
+                    pooled=[_pooled(row) for row in rows if row.pooled is not None],
                 )
         finally:
             self._stream_lock.release()
@@ -128,6 +129,10 @@ def _sampled(row: SampledRow) -> worker_pb2.SampledToken:
     if row.logprob is not None:
         out.logprob.CopyFrom(row.logprob)
     return out
+
+
+def _pooled(row: SampledRow) -> worker_pb2.PooledOutput:
+    return worker_pb2.PooledOutput(request_id=row.request.request_id, data=row.pooled)
 
 
 class _RequestSpans:

@@ -177,6 +177,17 @@ SHAPES = {
         ],
         "ratios": {"throughput_ratio": 2.5},
     },
+    "embed_bench": {
+        "args": {"lengths": "16-128", "pooling_type": "last"},
+        "result": {
+            "inputs": 256,
+            "num_prompt_tokens": 18000,
+            "stack_embeddings_per_s": 20.0,
+            "hf_embeddings_per_s": 10.0,
+            "stack_over_hf": 2.0,
+            "min_cosine": 0.99999,
+        },
+    },
     "tp_bench_cpu": {
         "tok_s": {"tp1": {1: 20.0, 16: 100.0}, "tp2": {1: 18.0, 16: 80.0}, "tp1-native": {1: 40.0, 16: 150.0}}
     },

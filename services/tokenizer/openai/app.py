@@ -16,6 +16,7 @@ from services.common.errors import KvgridError
 from services.tokenizer import validation as v
 from services.tokenizer.frontdoor import ChatPrompt, TextPrompt, tokenize_async
 from services.tokenizer.openai import errors
+from services.tokenizer.openai.embeddings import EmbeddingRequest, EmbeddingResponse
 from services.tokenizer.openai.guards import HttpGuards, LimitBody, RequireApiKey
 from services.tokenizer.openai.prepare import chat_messages
 from services.tokenizer.openai.protocol import (
@@ -75,7 +76,14 @@ def build_app(
     @app.get("/v1/models", responses=ERRORS)
     async def models() -> JSONResponse:
         info = serving.state.model_info()
-        card = ModelCard(id=info.model, created=0, root=info.model, max_model_len=info.max_model_len)
+        card = ModelCard(
+            id=info.model,
+            created=0,
+            root=info.model,
+            max_model_len=info.max_model_len,
+            runner=info.runner,
+            supported_tasks=list(info.supported_tasks),
+        )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.post("/v1/completions", responses=STREAMED)
@@ -85,6 +93,10 @@ def build_app(
     @app.post("/v1/chat/completions", responses=STREAMED)
     async def chat(body: ChatCompletionRequest, raw: Request):
         return await serving.chat(body, raw)
+
+    @app.post("/v1/embeddings", responses=ERRORS)
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
+        return await serving.embeddings(body, raw)
 
     @app.post("/tokenize", responses=ERRORS)
     async def tokenize(body: TokenizeRequest) -> JSONResponse:

@@ -113,6 +113,9 @@ class ModelCard(BaseModel):
     owned_by: str = "kvgrid"
     root: str
     max_model_len: int
+    # "generate" or "pooling" (--runner), and the tasks that makes it serve (vLLM's names).
+    runner: str = "generate"
+    supported_tasks: list[str] = ["generate"]
 
 
 class ModelList(BaseModel):

@@ -17,6 +17,7 @@ from services.tokenizer.frontdoor import FrontDoor
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.openai.choices import Pipeline, run_choices
+from services.tokenizer.openai.embeddings import EmbeddingRequest, EmbeddingResponse, serve_embeddings
 from services.tokenizer.openai.errors import sse_error
 from services.tokenizer.openai.prepare import PreparedOpenAI, check_model, prepare_chat, prepare_completion
 from services.tokenizer.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -45,6 +46,15 @@ class OpenAIServing:
         door = self.state.front_door()
         prepared = await prepare_chat(req, door, self.served_model())
         return await self._answer(raw, door, prepared)
+
+    async def embeddings(self, req: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
+        door = self.state.front_door()
+        model = check_model(req.model, self.served_model())
+        self.state.stream_started()  # a drain waits for it
+        try:
+            return await until_disconnected(raw, serve_embeddings(req, door, self.engine, model, raw, self.metrics))
+        finally:
+            self.state.stream_ended()
 
     async def _answer(self, raw: Request, door: FrontDoor, prepared: PreparedOpenAI):
         pipe = Pipeline(self.engine, door.tokenizer, self.metrics, extract(raw.headers))
