@@ -410,7 +410,7 @@ class Scheduler:
         self.kv.cache_computed_blocks(request)
         del self.requests[request.request_id]
         self._release(request, RequestStatus.FINISHED_STOPPED)
-        return RequestOutput(request, 0, None, RequestStatus.FINISHED_STOPPED, vector)
+        return RequestOutput(request, 0, None, RequestStatus.FINISHED_STOPPED, pooled=vector)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         stop = request.stop

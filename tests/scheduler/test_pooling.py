@@ -33,11 +33,11 @@ def test_a_pooling_prompt_is_prefilled_in_chunks_and_ends_with_its_vector():
     for chunk in (4, 4):
         out = s.schedule()
         assert scheduled(out) == {"p": chunk} and not [p for p in out.new_requests + out.running if p.samples]
-        assert s.update_from_output(out, [], {}) == []
+        assert s.update_from_output(out, [], pooled={}) == []
     out = s.schedule()
     assert scheduled(out) == {"p": 2} and out.running[0].samples
     assert s.kv.pool.num_used_blocks == 3
-    (result,) = s.update_from_output(out, [], {"p": [0.5, -0.5]})
+    (result,) = s.update_from_output(out, [], pooled={"p": [0.5, -0.5]})
     assert (result.pooled, result.finish) == ([0.5, -0.5], RequestStatus.FINISHED_STOPPED)
     # Freed in the step that computed the prompt's last token; the worker drops it with the next plan.
     assert s.kv.pool.num_used_blocks == 0 and s.requests == {} and s.running == []
@@ -51,7 +51,7 @@ def test_pooling_and_generation_share_steps_and_only_generation_decodes():
     s.add_request(pooling_request("p", [4, 5, 6, 7, 8]))
     out = s.schedule()
     assert scheduled(out) == {"g": 3, "p": 5}
-    results = s.update_from_output(out, [("g", 9, None)], {"p": [1.0]})
+    results = s.update_from_output(out, [("g", 9, None)], pooled={"p": [1.0]})
     assert [(r.request.request_id, r.token_id if r.pooled is None else r.pooled) for r in results] == [
         ("g", 9),
         ("p", [1.0]),
@@ -65,7 +65,7 @@ def test_a_missing_vector_breaks_the_protocol():
     s.add_request(pooling_request("p", [1, 2, 3]))
     out = s.schedule()
     with pytest.raises(WorkerProtocolError, match="no pooled vector for 'p'"):
-        s.update_from_output(out, [], {})
+        s.update_from_output(out, [], pooled={})
 
 
 def test_mean_and_cls_pooling_compute_every_token_last_pooling_reuses_the_cache():
@@ -88,9 +88,9 @@ def test_async_scheduling_never_plans_past_a_pooling_prompt():
     first = s.schedule()
     second = s.schedule()  # planned before the first result is back: nothing more to compute for "p"
     assert scheduled(first) == {"p": 3} and scheduled(second) == {}
-    (result,) = s.update_from_output(first, [], {"p": [2.0]})
+    (result,) = s.update_from_output(first, [], pooled={"p": [2.0]})
     assert result.pooled == [2.0]
-    assert s.update_from_output(second, [], {}) == []
+    assert s.update_from_output(second, [], pooled={}) == []
 
 
 def test_admission_matches_requests_to_the_runner():
@@ -124,7 +124,7 @@ def test_a_preempted_pooling_request_is_computed_again_from_its_first_token():
         out = s.schedule()
         assert not [p for p in [*out.new_requests, *out.running] if p.samples and p.request.request_id == "p"]
         preempted = out.preempted_ids
-        s.update_from_output(out, [("g", 9, None)], {})
+        s.update_from_output(out, [("g", 9, None)], pooled={})
     assert preempted == ["p"] and s.requests["p"].status is RequestStatus.PREEMPTED
     s.abort_request("g")
     vectors = {}
@@ -133,7 +133,7 @@ def test_a_preempted_pooling_request_is_computed_again_from_its_first_token():
         for plan in out.new_requests:
             assert (plan.request.request_id, plan.num_computed_tokens) == ("p", 0)
         done = [p.request.request_id for p in [*out.new_requests, *out.running] if p.samples]
-        for result in s.update_from_output(out, [], {rid: [3.0] for rid in done}):
+        for result in s.update_from_output(out, [], pooled={rid: [3.0] for rid in done}):
             vectors[result.request.request_id] = result.pooled
     assert vectors == {"p": [3.0]} and s.kv.pool.num_used_blocks == 0
 
