@@ -1,4 +1,5 @@
-"""A GGUF file's tensors under Hugging Face names, q8_0 / q4_0 / q4_1 matrices kept as stored.
+"""A GGUF file's tensors under Hugging Face names, q8_0 / q4_0 / q4_1 and K-quant (q4_k / q5_k / q6_k) matrices
+kept as stored.
 
 Only the ``gguf`` package reads the file (transformers' GGUF reader dequantizes everything).
 Tensors of other types (float norms, other quantizations) are dequantized by ``gguf`` itself
@@ -16,7 +17,7 @@ import torch
 
 from services.worker.quant.formats import PackedWeight
 
-_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",

@@ -1,0 +1,88 @@
+/*
+ * One weight row of K-quant super-blocks . one x row (int8 blocks of 32), for one instruction set:
+ * kquants.h includes this file twice, defining KQ_NAME (a suffix per set), KQ_TARGET (its target
+ * attribute) and DOT32(u, x) (32 unsigned weight bytes . 32 signed x bytes -> 8 int32 lanes, lane i the
+ * sum of bytes 4i..4i+3: lanes 0-3 the first 16 values, 4-7 the next 16). AVX2 takes maddubs then madd,
+ * AVX-512 VNNI one vpdpbusd on 256-bit vectors. Per 32 values: the integer sums (q6_k: minus 32 x, its
+ * values being q - 32) as floats, times the scales of their groups of 16 and x's block scale; q4_k and
+ * q5_k's offsets (-dmin m) times x's block sums add up apart, one scalar per 32 values.
+ */
+
+KQ_TARGET __m256i KQ_NAME(low_nibbles)(__m256i raw) { return _mm256_and_si256(raw, _mm256_set1_epi8(15)); }
+
+KQ_TARGET __m256i KQ_NAME(high_nibbles)(__m256i raw) {
+    return _mm256_and_si256(_mm256_srli_epi16(raw, 4), _mm256_set1_epi8(15));
+}
+
+/* Bits shift..shift+width-1 of each byte moved to bits 4.. (shift < 8; 16-bit shifts, then the byte masked). */
+KQ_TARGET __m256i KQ_NAME(high_bits)(__m256i qh, int shift, int mask) {
+    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(mask)), 4);
+}
+
+/* acc += sums (8 int32) as floats times s0 on lanes 0-3 (the first group of 16) and s1 on lanes 4-7. */
+KQ_TARGET __m256 KQ_NAME(scale_sums)(__m256i sums, float s0, float s1, __m256 acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0)), acc);
+}
+
+KQ_TARGET float KQ_NAME(row_dot)(const int fmt, const uint8_t *w, int64_t num_super, const int8_t *xq,
+                                 const float *xd, const float *xds) {
+    __m256 acc = _mm256_setzero_ps();
+    float offsets = 0.0f;
+    const __m256i c32 = _mm256_set1_epi8(32);
+    for (int64_t s = 0; s < num_super; s++) {
+        const uint8_t *p = w + s * k_block_bytes(fmt);
+        const int8_t *x = xq + s * QK;
+        const float *dx = xd + s * (QK / QB), *dsx = xds + s * (QK / QB);
+        if (fmt == Q6_K) {
+            const float d = fp16_to_f32(p + 208);
+            const int8_t *sc = (const int8_t *)(p + 192);
+            for (int half = 0; half < 2; half++) {
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * half));
+                const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(p + 64 * half));
+                const __m256i ql1 = _mm256_loadu_si256((const __m256i *)(p + 64 * half + 32));
+                for (int c = 0; c < 4; c++) {
+                    const __m256i ql = c & 1 ? ql1 : ql0;
+                    const __m256i low = c < 2 ? KQ_NAME(low_nibbles)(ql) : KQ_NAME(high_nibbles)(ql);
+                    const __m256i u = _mm256_or_si256(low, KQ_NAME(high_bits)(qh, 2 * c, 3));
+                    const int b = 4 * half + c; /* x's block of 32 within the super-block */
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + QB * b));
+                    const __m256i sums = _mm256_sub_epi32(DOT32(u, xv), DOT32(c32, xv));
+                    const float ddx = d * dx[b];
+                    acc = KQ_NAME(scale_sums)(sums, ddx * sc[2 * b], ddx * sc[2 * b + 1], acc);
+                }
+            }
+            continue;
+        }
+        const float d = fp16_to_f32(p), dmin = fp16_to_f32(p + 2);
+        int sc[8], m[8];
+        for (int j = 0; j < 8; j++) scale_min_k4(j, p + 4, &sc[j], &m[j]);
+        const uint8_t *qs = p + (fmt == Q5_K ? 48 : 16);
+        const __m256i qh = fmt == Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * i));
+            for (int h = 0; h < 2; h++) {
+                const int j = 2 * i + h; /* sub-block j: the low (h 0) or high nibbles of these 32 bytes */
+                __m256i u = h ? KQ_NAME(high_nibbles)(raw) : KQ_NAME(low_nibbles)(raw);
+                if (fmt == Q5_K) u = _mm256_or_si256(u, KQ_NAME(high_bits)(qh, j, 1));
+                const __m256i sums = DOT32(u, _mm256_loadu_si256((const __m256i *)(x + QB * j)));
+                const float s0 = d * (float)sc[j] * dx[j];
+                acc = KQ_NAME(scale_sums)(sums, s0, s0, acc);
+                offsets += dmin * (float)m[j] * dsx[j];
+            }
+        }
+    }
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+    return _mm_cvtss_f32(v) - offsets;
+}
+
+/* row_dot with fmt a constant in each branch: one loop per format. */
+KQ_TARGET_OUTLINED float KQ_NAME(row_dot_any)(int fmt, const uint8_t *w, int64_t num_super, const int8_t *xq,
+                                              const float *xd, const float *xds) {
+    switch (fmt) {
+        case Q4_K: return KQ_NAME(row_dot)(Q4_K, w, num_super, xq, xd, xds);
+        case Q5_K: return KQ_NAME(row_dot)(Q5_K, w, num_super, xq, xd, xds);
+        default: return KQ_NAME(row_dot)(Q6_K, w, num_super, xq, xd, xds);
+    }
+}
