@@ -1,7 +1,8 @@
 """A small K-quant quantizer for tests (the ``gguf`` package dequantizes Q4_K / Q5_K / Q6_K but cannot
 quantize them): float rows -> ggml's super-block bytes, following ggml's block layouts
-(``services/worker/quant/kquants.py``). Min/max scales rounded up (no value clips), not ggml's searched ones: the tests check
-the layout through ``gguf.quants.dequantize`` and need only a faithful, not an optimal, quantization.
+(``services/worker/quant/kquants.py``). Min/max scales rounded up (no value clips), not ggml's searched
+ones: the tests check the layout through ``gguf.quants.dequantize`` and need only a faithful, not an
+optimal, quantization.
 """
 
 from __future__ import annotations

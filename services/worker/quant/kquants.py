@@ -1,4 +1,4 @@
-"""ggml's K-quant super-blocks (``q4_k``, ``q5_k``, ``q6_k``) as plain torch: what the native kernels are tested against.
+"""ggml's K-quant super-blocks (``q4_k``, ``q5_k``, ``q6_k``) in plain torch: the native kernels' reference.
 
 A super-block holds 256 values along K (a GGUF stores K-quant matrices only where K is a multiple of 256):
 
