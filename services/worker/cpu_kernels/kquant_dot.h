@@ -5,7 +5,7 @@
  * sum of bytes 4i..4i+3: lanes 0-3 the first 16 values, 4-7 the next 16). AVX2 takes maddubs then madd,
  * AVX-512 VNNI one vpdpbusd on 256-bit vectors. Per 32 values: the integer sums (q6_k: minus 32 x, its
  * values being q - 32) as floats, times the scales of their groups of 16 and x's block scale; q4_k and
- * q5_k's offsets (-dmin m) times x's block sums add up apart, one scalar per 32 values.
+ * q5_k's offsets (-dmin m) times x's block sums add up apart, eight lanes per super-block.
  */
 
 KQ_TARGET __m256i KQ_NAME(low_nibbles)(__m256i raw) { return _mm256_and_si256(raw, _mm256_set1_epi8(15)); }
@@ -24,18 +24,32 @@ KQ_TARGET __m256 KQ_NAME(scale_sums)(__m256i sums, float s0, float s1, __m256 ac
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0)), acc);
 }
 
+/*
+ * Four float accumulators taken in turn and the offsets summed as one vector per super-block: one
+ * accumulator would chain every block's multiply-add on the last one's result, and a row at batch 1 is
+ * that chain's length.
+ */
 KQ_TARGET float KQ_NAME(row_dot)(const int fmt, const uint8_t *w, int64_t num_super, const int8_t *xq,
                                  const float *xd, const float *xds) {
-    __m256 acc = _mm256_setzero_ps();
-    float offsets = 0.0f;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 offsets = _mm256_setzero_ps();
     const __m256i c32 = _mm256_set1_epi8(32);
     for (int64_t s = 0; s < num_super; s++) {
         const uint8_t *p = w + s * k_block_bytes(fmt);
         const int8_t *x = xq + s * QK;
         const float *dx = xd + s * (QK / QB), *dsx = xds + s * (QK / QB);
         if (fmt == Q6_K) {
-            const float d = fp16_to_f32(p + 208);
-            const int8_t *sc = (const int8_t *)(p + 192);
+            /* the 16 groups' d sc dx at once: group 2b and 2b + 1 meet x's block b */
+            const __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)(p + 208)));
+            const __m256 dx8 = _mm256_loadu_ps(dx);
+            float scale[16];
+            for (int i = 0; i < 2; i++) {
+                const __m256i groups = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 192 + 8 * i)));
+                const __m256i pairs = _mm256_setr_epi32(4 * i, 4 * i, 4 * i + 1, 4 * i + 1, 4 * i + 2, 4 * i + 2,
+                                                        4 * i + 3, 4 * i + 3);
+                const __m256 dxs = _mm256_permutevar8x32_ps(dx8, pairs);
+                _mm256_storeu_ps(scale + 8 * i, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(groups), d), dxs));
+            }
             for (int half = 0; half < 2; half++) {
                 const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * half));
                 const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(p + 64 * half));
@@ -47,15 +61,20 @@ KQ_TARGET float KQ_NAME(row_dot)(const int fmt, const uint8_t *w, int64_t num_su
                     const int b = 4 * half + c; /* x's block of 32 within the super-block */
                     const __m256i xv = _mm256_loadu_si256((const __m256i *)(x + QB * b));
                     const __m256i sums = _mm256_sub_epi32(DOT32(u, xv), DOT32(c32, xv));
-                    const float ddx = d * dx[b];
-                    acc = KQ_NAME(scale_sums)(sums, ddx * sc[2 * b], ddx * sc[2 * b + 1], acc);
+                    acc[c] = KQ_NAME(scale_sums)(sums, scale[2 * b], scale[2 * b + 1], acc[c]);
                 }
             }
             continue;
         }
-        const float d = fp16_to_f32(p), dmin = fp16_to_f32(p + 2);
-        int sc[8], m[8];
-        for (int j = 0; j < 8; j++) scale_min_k4(j, p + 4, &sc[j], &m[j]);
+        const float d = _cvtsh_ss(*(const uint16_t *)p), dmin = _cvtsh_ss(*(const uint16_t *)(p + 2));
+        uint32_t sm[4]; /* the 8 scales' bytes, then the 8 mins' (scale_min_k4 for all j at once, as ggml) */
+        scales_mins_k4(p + 4, sm);
+        /* the 8 sub-blocks' d sc dx at once, and their offsets dmin m times x's block sums */
+        float scale[8];
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm)));
+        _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_mul_ps(sc, _mm256_set1_ps(d)), _mm256_loadu_ps(dx)));
+        const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2))));
+        offsets = _mm256_fmadd_ps(_mm256_mul_ps(mins, _mm256_set1_ps(dmin)), _mm256_loadu_ps(dsx), offsets);
         const uint8_t *qs = p + (fmt == Q5_K ? 48 : 16);
         const __m256i qh = fmt == Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) {
@@ -65,16 +84,16 @@ KQ_TARGET float KQ_NAME(row_dot)(const int fmt, const uint8_t *w, int64_t num_su
                 __m256i u = h ? KQ_NAME(high_nibbles)(raw) : KQ_NAME(low_nibbles)(raw);
                 if (fmt == Q5_K) u = _mm256_or_si256(u, KQ_NAME(high_bits)(qh, j, 1));
                 const __m256i sums = DOT32(u, _mm256_loadu_si256((const __m256i *)(x + QB * j)));
-                const float s0 = d * (float)sc[j] * dx[j];
-                acc = KQ_NAME(scale_sums)(sums, s0, s0, acc);
-                offsets += dmin * (float)m[j] * dsx[j];
+                acc[j & 3] = KQ_NAME(scale_sums)(sums, scale[j], scale[j], acc[j & 3]);
             }
         }
     }
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m256 total = _mm256_sub_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])),
+                                       offsets);
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
     v = _mm_add_ps(v, _mm_movehl_ps(v, v));
     v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
-    return _mm_cvtss_f32(v) - offsets;
+    return _mm_cvtss_f32(v);
 }
 
 /* row_dot with fmt a constant in each branch: one loop per format. */
