@@ -137,8 +137,8 @@ def test_linear_random_blocks(lib, fmt):
 
 def test_real_tensors_linear(lib, gemma_tensors):
     for name, packed in gemma_tensors.items():
-        x = randn(2, packed.shape[1], seed=40)
-        out = torch.empty(2, packed.shape[0])
+        x = randn(5, packed.shape[1], seed=40)  # a group of four rows over the decoded row, and one more
+        out = torch.empty(5, packed.shape[0])
         linear_into(x, formats.tile(packed), None, out)
         torch.testing.assert_close(out, formats.reference_linear(x, packed), **TOLERANCE, msg=name)
 
