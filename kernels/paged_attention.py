@@ -27,6 +27,8 @@ from .split_kv_reduce import split_kv_reduce
 _LOG2E = tl.constexpr(1.4426950408889634)
 # Finite stand-in for -inf as the running max: exp2(NEG_BIG - NEG_BIG) is 1, not NaN.
 _NEG_BIG = tl.constexpr(-1.0e30)
+# The window of a layer that sees every key: longer than any sequence, small enough for int32 positions.
+NO_WINDOW = 2**30
 
 
 @triton.jit
@@ -60,6 +62,7 @@ def paged_attention_kernel(
     partial_out_ptr,  # [num_tokens, num_heads, NUM_SPLITS, HEAD_PAD] float32, used when NUM_SPLITS > 1
     partial_lse_ptr,  # [num_tokens, num_heads, NUM_SPLITS] float32 log2-sum-exp2, used when NUM_SPLITS > 1
     scale,  # float32 softmax scale
+    window,  # keys within this many positions of the query (p - window < k <= p); NO_WINDOW for all
     num_seqs,
     stride_out_t,
     stride_out_h,
@@ -117,10 +120,12 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     qk_scale = scale * _LOG2E  # softmax through exp2
 
-    # Keys this tile can see: every cached token plus the new ones up to its last query.
+    # Keys this tile can see: every cached token plus the new ones up to its last query, from the first key
+    # in its first query's window (blocks before it may belong to another request by now: never read).
     num_keys = num_cached + tl.minimum(q_tile_start + BLOCK_Q, q_len)
-    tiles_per_split = tl.cdiv(tl.cdiv(num_keys, TILE_N), NUM_SPLITS)
-    key_lo = split * tiles_per_split * TILE_N
+    first_key = tl.maximum(num_cached + q_tile_start - window + 1, 0)
+    tiles_per_split = tl.cdiv(tl.cdiv(num_keys - first_key, TILE_N), NUM_SPLITS)
+    key_lo = first_key + split * tiles_per_split * TILE_N
     key_hi = tl.minimum(key_lo + tiles_per_split * TILE_N, num_keys)  # may be <= key_lo: an empty split
     block_table = block_tables_ptr + seq_idx * stride_bt_seq
     cols = tl.arange(0, TILE_N)
@@ -141,7 +146,7 @@ def paged_attention_kernel(
             v = v.to(tl.float32)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
-        causal = key_pos[None, :] <= q_pos[:, None]
+        causal = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(causal & key_valid[None, :], s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -152,13 +157,13 @@ def paged_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
-        # Every valid row saw key 0 (positions start at 0 and key 0 <= q_pos), so l_i > 0 there.
+        # Every valid row saw its own key, so l_i > 0 there.
         out = acc / tl.where(row_valid, l_i, 1.0)[:, None]
         out_offsets = token[:, None] * stride_out_t + head[:, None] * stride_out_h + dims[None, :]
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         # A split may hold no key a row can see (empty, or past its causal limit): weight 0 in the reduce.
-        # Split 0 always holds key 0, so every valid row has at least one finite lse.
+        # Some split holds each valid row's own key, so every valid row has at least one finite lse.
         seen = l_i > 0
         partial = acc / tl.where(seen, l_i, 1.0)[:, None]  # [BLOCK_M, HEAD_PAD]
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))  # [BLOCK_M]
@@ -186,8 +191,10 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     tile_n: int = 32,
     num_splits: int = 1,
+    window: int = 0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Attention of each new token over its request's cached and new keys (already in the cache).
+    """Attention of each new token over its request's cached and new keys (already in the cache); with
+    ``window`` > 0 over the keys of the last ``window`` positions only (sliding-window layers).
 
     ``tile_n`` (keys per iteration) and ``num_splits`` (split-KV ranges) change speed, not results."""
     num_tokens, num_heads, head_dim = query.shape
@@ -229,6 +236,7 @@ def paged_attention(
         partial_out_ptr=partial_out,
         partial_lse_ptr=partial_lse,
         scale=float(scale),
+        window=window if window > 0 else NO_WINDOW,
         num_seqs=num_seqs,
         stride_out_t=out.stride(0),
         stride_out_h=out.stride(1),

@@ -23,6 +23,7 @@ def paged_attention_reference(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     tile_n: int = 32,  # kernel tuning knobs, ignored here
     num_splits: int = 1,
+    window: int = 0,  # > 0: a query at p sees the keys at p - window < k <= p
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_heads = query.shape[1]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -42,7 +43,8 @@ def paged_attention_reference(
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, q_len, seq_len]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
         k_pos = torch.arange(seq_len, device=query.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = (k_pos > q_pos) | (k_pos <= q_pos - window) if window > 0 else k_pos > q_pos
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = scores.softmax(dim=-1)
         result[starts[i] : starts[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return result
@@ -87,3 +89,22 @@ def rms_norm_reference(
     h = x.float()
     normed = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype), residual
+
+
+def fused_moe_reference(
+    x: torch.Tensor,  # [T, E]
+    w13: torch.Tensor,  # [num_experts, 2 * I, E], gate rows then up rows
+    w2: torch.Tensor,  # [num_experts, E, I]
+    topk_weights: torch.Tensor,  # [T, k] float32
+    topk_ids: torch.Tensor,  # [T, k] int
+    block_m: int = 16,  # kernel tuning knob, ignored here
+) -> torch.Tensor:  # [T, E]
+    """Token by token, expert by expert, in float32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    inter = w2.shape[-1]
+    for t in range(x.shape[0]):
+        for weight, expert in zip(topk_weights[t].tolist(), topk_ids[t].tolist(), strict=True):
+            h = w13[expert].float() @ x[t].float()  # [2I]
+            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            out[t] += weight * (w2[expert].float() @ act)
+    return out.to(x.dtype)

@@ -25,6 +25,7 @@ class AdmissionLimits:
     block_size: int
     vocab_size: int
     max_waiting_requests: int
+    window_fits: bool = False  # blocks behind a sliding window are freed: a prompt longer than the pool fits
 
     @property
     def pool_tokens(self) -> int:
@@ -51,7 +52,7 @@ def admit(msg: scheduler_pb2.SubmitRequest, limits: AdmissionLimits, live: Conta
             f"the prompt has {num_prompt} tokens but the maximum model length is {limits.max_model_len}, "
             "which leaves no room for output",
         )
-    if num_prompt >= limits.pool_tokens:
+    if num_prompt >= limits.pool_tokens and not limits.window_fits:
         raise ResourceExhausted(
             f"prompt_token_ids: the prompt has {num_prompt} tokens and needs {cdiv(num_prompt + 1, limits.block_size)}"
             f" KV blocks of {limits.block_size} tokens, but the worker's whole pool has {limits.num_blocks}"

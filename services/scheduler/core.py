@@ -69,15 +69,18 @@ class SchedulerCore:
             policy=sched.scheduling_policy,
             num_scheduler_steps=sched.num_scheduler_steps,
         )
-        kv = KVCacheManager(BlockPool(info.num_blocks, config.cache.enable_prefix_caching), info.block_size)
+        tiers = build_tiers(info, config, metrics)
+        # KV tiers save whole block tables when a request ends: they keep every block (no freeing by window).
+        window = info.sliding_window if tiers is None else 0
+        kv = KVCacheManager(BlockPool(info.num_blocks, config.cache.enable_prefix_caching), info.block_size, window)
         admission = AdmissionLimits(
             max_model_len=max_model_len,
             num_blocks=info.num_blocks,
             block_size=info.block_size,
             vocab_size=info.vocab_size,
             max_waiting_requests=sched.max_waiting_requests,
+            window_fits=kv.window_fits(limits.max_num_batched_tokens),
         )
-        tiers = build_tiers(info, config, metrics)
         return cls(Scheduler(limits, kv, info.eos_token_ids, tiers), admission, metrics)
 
     def plan(self) -> SchedulerOutput:

@@ -3,6 +3,14 @@
 A request's block table is append-only while it holds it: block i covers token
 positions [i*block_size, (i+1)*block_size). It is dropped whole when the request
 finishes or is preempted.
+
+With a sliding window (every layer of the model reads only the keys of the last ``sliding_window``
+positions before a query), the blocks wholly before the window of a request's next token are freed
+while it runs (vLLM's sliding-window manager does the same): their table entries become ``SLID_OUT``,
+whose id (0) the worker is sent but never reads. Freeing at plan time is safe under async scheduling
+too: a freed block is written only by a later plan, and the worker runs plans in order. Freed blocks
+keep their prefix hashes, so the prefix cache stays correct: a hit is a chain of full blocks from the
+start, each holding exactly its tokens' keys and values.
 """
 
 from __future__ import annotations
@@ -19,10 +27,17 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# A table entry whose block slid out of the window and went back to the pool; never in the pool itself.
+SLID_OUT = KVCacheBlock(0)
+
+
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, sliding_window: int = 0):
         self.pool = pool
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        # How many leading entries of each table are SLID_OUT.
+        self._num_slid: dict[str, int] = {}
         self.enable_caching = pool.enable_caching
         self._tables: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each table are registered in the prefix cache.
@@ -30,6 +45,13 @@ class KVCacheManager:
         # Prefix-cache counters, in tokens (queries: tokens looked up; hits: tokens found).
         self.prefix_queries = 0
         self.prefix_hits = 0
+
+    def window_fits(self, num_step_tokens: int) -> bool:
+        """Whether blocks slide out of the window and the pool holds what one request needs at any length: the
+        blocks of a window before a step of ``num_step_tokens`` tokens, and of that step."""
+        if not self.sliding_window:
+            return False
+        return cdiv(self.sliding_window - 1 + num_step_tokens, self.block_size) + 1 <= self.pool.num_blocks
 
     @property
     def usage(self) -> float:
@@ -77,25 +99,47 @@ class KVCacheManager:
         changed. New blocks are appended to the request's table."""
         bs = self.block_size
         table = self._tables.get(request.request_id)
+        if table and self.sliding_window:
+            self._free_slid_out(request, table)
         held = len(table) if table is not None else 0
         end = request.num_computed_tokens + len(computed_blocks) * bs + num_new_tokens
         if not computed_blocks and end <= held * bs:
             return True  # the decode fast path: the last block still has room
         num_needed = cdiv(end, bs) - held - len(computed_blocks)
+        # Hit blocks already behind the window of the first token to compute are never read: not taken.
+        num_slid = 0
+        if computed_blocks and self.sliding_window and table is None:
+            first_token = request.num_computed_tokens + len(computed_blocks) * bs
+            num_slid = min(max(first_token - self.sliding_window + 1, 0) // bs, len(computed_blocks))
+        taken = computed_blocks[num_slid:]
         # Hit blocks that sit in the free queue stop being allocatable once taken.
-        num_revived = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        num_revived = sum(1 for block in taken if block.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_revived:
             return False
         if table is None:
             table = self._tables[request.request_id] = []
         if computed_blocks:
-            self.pool.touch(computed_blocks)
-            table.extend(computed_blocks)
+            self.pool.touch(taken)
+            table.extend([SLID_OUT] * num_slid + list(taken))
+            if num_slid:
+                self._num_slid[request.request_id] = num_slid
             # Hit blocks are cached already; never register them again.
             self._num_cached[request.request_id] = len(table)
         if num_needed > 0:
             table.extend(self.pool.get_new_blocks(num_needed))
         return True
+
+    def _free_slid_out(self, request: Request, table: list[KVCacheBlock]) -> None:
+        """Free the blocks wholly before the window of the request's next token (position num_computed_tokens),
+        oldest last: as whole tables, the tail of a cached prefix is evicted before its head."""
+        first_needed = max(request.num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
+        start = self._num_slid.get(request.request_id, 0)
+        if first_needed <= start:
+            return
+        slid = table[start:first_needed]
+        table[start:first_needed] = [SLID_OUT] * len(slid)
+        self.pool.free_blocks(reversed(slid))
+        self._num_slid[request.request_id] = first_needed
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose K/V are computed (call once a step's result is in).
@@ -113,12 +157,14 @@ class KVCacheManager:
         num_full = min(num_full, len(table))
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         for i in range(start, num_full):
-            self.pool.cache_block(table[i], request.block_hashes[i])
+            if table[i] is not SLID_OUT:  # freed before its tokens were known: nothing to register
+                self.pool.cache_block(table[i], request.block_hashes[i])
         self._num_cached[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Release the request's whole block table, tail first (see BlockPool.free_blocks)."""
         table = self._tables.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
+        num_slid = self._num_slid.pop(request.request_id, 0)
         if table:
-            self.pool.free_blocks(reversed(table))
+            self.pool.free_blocks(reversed(table[num_slid:]))

@@ -122,8 +122,11 @@ class Scheduler:
             kv.pool.on_evict = tiers.on_evict
         self.eos_token_ids = frozenset(eos_token_ids)
         # A request reaching this many tokens finishes with "length". Capped at what the whole pool holds: a longer
-        # sequence could never be computed again after a preemption.
-        self.max_seq_len = min(limits.max_model_len, kv.pool.num_blocks * kv.block_size)
+        # sequence could never be computed again after a preemption; unless the blocks behind a sliding window
+        # are freed and the pool holds a window and a step's tokens, which any length needs at most.
+        self.max_seq_len = limits.max_model_len
+        if not kv.window_fits(limits.max_num_batched_tokens):
+            self.max_seq_len = min(limits.max_model_len, kv.pool.num_blocks * kv.block_size)
         self.waiting = make_waiting_queue(limits.policy)
         # Admission order; fcfs preempts from the end.
         self.running: list[Request] = []

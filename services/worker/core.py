@@ -131,6 +131,7 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         max_num_seqs=config.scheduler.max_num_seqs,
         worker_id=worker_id or uuid.uuid4().hex,
         load_seconds=loaded.load_seconds,
+        sliding_window=loaded.args.freeing_window,
     )
     if metrics is not None:
         record_metrics(metrics, loaded, figures)

@@ -83,6 +83,27 @@ def test_split_kv(lens, num_splits, dtype):
     _check(batch, dtype, num_splits=num_splits)
 
 
+@pytest.mark.parametrize(("window", "num_splits"), [(1, 1), (5, 1), (16, 1), (21, 2), (40, 3)])
+def test_sliding_window(window, num_splits):
+    """A sliding-window layer (keys p - window < k <= p): prefill chunks whose window starts mid-block and decodes;
+    the blocks wholly before each request's first window hold NaN (freed, perhaps reused) and are never read."""
+    batch = random_batch(MIXED, 3, 1, 64, 16, torch.float32, seed=window)
+    starts = batch.query_start_loc.tolist()
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        first_key = max(seq_len - (starts[i + 1] - starts[i]) - window + 1, 0)
+        for block in batch.block_tables[i, : first_key // 16].tolist():
+            batch.k_cache[block], batch.v_cache[block] = float("nan"), float("nan")
+    scale = 0.125
+    out = paged_attention(*batch.args(), scale, batch.max_query_len, num_splits=num_splits, window=window)
+    clean = [t.nan_to_num(0.0) for t in (batch.k_cache, batch.v_cache)]  # the reference gathers whole tables
+    args = (batch.query, *clean, *batch.args()[3:])
+    expected = paged_attention_reference(*args, scale, batch.max_query_len, window=window)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    full = paged_attention_reference(*args, scale, batch.max_query_len)
+    assert not torch.allclose(expected, full)  # the window changed the result
+
+
 def test_causal_within_new_tokens():
     """Changing a later new token's key/value must not change earlier rows of the same chunk."""
     batch = random_batch([(9, 20)], 2, 1, 64, 16, torch.float32, seed=3)

@@ -118,6 +118,24 @@ def test_greedy_tokens_equal_torch_backend(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_sliding_window_model_greedy_tokens_equal_torch_backend(tmp_path):
+    """Gemma 3 (two layers over a window of 8, one global) through each backend: prompts past the window,
+    chunked prefills starting beyond it, small blocks so windows start mid-block."""
+    from services.worker.setup.build import create_runner, load_model
+    from tests.worker.tiny import save_tiny_model
+
+    path = save_tiny_model(str(tmp_path / "gemma3"), "gemma3", seed=5)
+    prompts = [torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (6, 21, 30)]
+    outputs = {}
+    for name in ("torch", "triton"):
+        loaded = load_model(path, dtype="float32", device=DEVICE, attention_backend=name)
+        assert [layer.self_attn.window for layer in loaded.model.layers] == [8, 8, 0]
+        runner = create_runner(loaded, block_size=4, num_blocks=40)
+        outputs[name] = _generate(runner, prompts, arrivals=[0, 1, 3], num_new=6, chunk=8)
+    assert outputs["triton"] == outputs["torch"]
+
+
+@pytest.mark.timeout(300)
 def test_decode_graphs_give_the_eager_tokens(tmp_path):
     """Decode steps through ``DecodeGraphs`` (captured on CUDA; here the same static, padded buffers run
     eagerly) give the eager runner's greedy tokens, while batches grow and shrink across graph sizes."""

@@ -22,8 +22,9 @@ def make_scheduler(
     eos: tuple[int, ...] = (),
     caching: bool = True,
     num_scheduler_steps: int = 1,
+    sliding_window: int = 0,
 ) -> Scheduler:
-    kv = KVCacheManager(BlockPool(num_blocks, caching), block_size)
+    kv = KVCacheManager(BlockPool(num_blocks, caching), block_size, sliding_window)
     limits = SchedulerLimits(max_num_seqs, max_num_batched_tokens, max_model_len, policy, num_scheduler_steps)
     return Scheduler(limits, kv, eos)
 
@@ -38,7 +39,10 @@ class Driver:
     def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
         bs = scheduler.kv.block_size
-        self.model = FakeModel(FakeWorkerConfig(num_blocks=scheduler.kv.pool.num_blocks, block_size=bs))
+        config = FakeWorkerConfig(
+            num_blocks=scheduler.kv.pool.num_blocks, block_size=bs, sliding_window=scheduler.kv.sliding_window
+        )
+        self.model = FakeModel(config)
         # Every request's output tokens so far, finished or not.
         self.outputs: dict[str, list[int]] = {}
 

@@ -50,6 +50,9 @@ class FakeWorkerConfig:
     num_blocks: int = 64
     block_size: int = 16
     max_model_len: int = 1024
+    # Every layer slides over this many positions (0: none): the blocks before a request's window are not its
+    # own any more (the scheduler may have freed them), and each token reads back every key in its window.
+    sliding_window: int = 0
     vocab_size: int = 1000
     eos_token_ids: tuple[int, ...] = ()
     model: str = "SmolLM2-135M-Instruct"
@@ -101,6 +104,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             tokenizer_files=c.tokenizer_files,
             max_num_batched_tokens=c.max_num_batched_tokens,
             max_num_seqs=c.max_num_seqs,
+            sliding_window=c.sliding_window,
             worker_id=c.worker_id,
         )
 
@@ -155,8 +159,9 @@ class FakeModel:
             assert new.num_computed_tokens + new.num_scheduled_tokens <= len(new.token_ids), "schedules past the end"
             assert new.num_computed_tokens % bs == 0, "a prefix hit must cover whole blocks"
             seq = _Seq(list(new.token_ids), list(new.block_ids), new.num_computed_tokens, new.sampling.logprobs > 0)
-            # The prefix hit must read back exactly these tokens.
-            for pos in range(new.num_computed_tokens):
+            # The prefix hit must read back exactly these tokens (those the first new token's window reads).
+            window = self.config.sliding_window
+            for pos in range(max(new.num_computed_tokens - window + 1, 0) if window else 0, new.num_computed_tokens):
                 got = kv.get(seq.block_ids[pos // bs], {}).get(pos % bs)
                 assert got == seq.token_ids[pos], f"{new.request_id}: stale prefix block at position {pos}"
             seqs[new.request_id] = seq
@@ -167,9 +172,15 @@ class FakeModel:
             seqs[running.request_id].block_ids.extend(running.new_block_ids)
             scheduled.append((running.request_id, running.num_scheduled_tokens))
 
+        window = self.config.sliding_window
+
+        def live(seq: _Seq) -> list[int]:
+            """The blocks the request may still read: from its next token's window on."""
+            return seq.block_ids[max(seq.num_computed - window + 1, 0) // bs :] if window else seq.block_ids
+
         holders: dict[int, list[str]] = {}
         for request_id, seq in seqs.items():
-            for block_id in seq.block_ids:
+            for block_id in live(seq):
                 assert 0 <= block_id < self.config.num_blocks, f"block id {block_id} out of range"
                 holders.setdefault(block_id, []).append(request_id)
         num_steps = max(plan.num_steps, 1)
@@ -187,12 +198,15 @@ class FakeModel:
                     f"{request_id}: a plan of {num_steps} steps that does not decode it"
                 )
                 assert len(seq.block_ids) * bs >= end, f"{request_id}: {len(seq.block_ids)} blocks for {end} tokens"
-                assert len(set(seq.block_ids)) == len(seq.block_ids), f"{request_id}: a block twice in its table"
+                assert len(set(live(seq))) == len(live(seq)), f"{request_id}: a block twice in its table"
                 for pos in range(seq.num_computed, end):
                     block_id = seq.block_ids[pos // bs]
                     owners = holders[block_id]
                     assert owners == [request_id], f"{request_id} writes block {block_id}, held by {owners}"
                     kv.setdefault(block_id, {})[pos % bs] = seq.token_ids[pos]
+                    for key in range(max(pos - window + 1, 0), pos) if window else ():
+                        got = kv.get(seq.block_ids[key // bs], {}).get(key % bs)
+                        assert got == seq.token_ids[key], f"{request_id}: position {pos} reads a stale key at {key}"
                 seq.num_computed = end
                 if end == len(seq.token_ids):
                     token = next_token(seq.token_ids, self.config.vocab_size)

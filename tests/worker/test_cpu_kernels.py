@@ -172,7 +172,7 @@ def test_exp_within_two_ulp(lib):
     assert y[-5] == 1.0
 
 
-def decode_attention_case(lib, dt, code, seq_lens, heads, kv_heads, head_dim, query_scale=1.0, block_size=4):
+def decode_attention_case(lib, dt, code, seq_lens, heads, kv_heads, head_dim, query_scale=1.0, block_size=4, window=0):
     """The kernel's output and the torch backend's for one query token per sequence over scattered blocks."""
     g = torch.Generator().manual_seed(11)
     width = -(-max(seq_lens) // block_size)
@@ -198,12 +198,16 @@ def decode_attention_case(lib, dt, code, seq_lens, heads, kv_heads, head_dim, qu
         seq_lens_cpu=seq_lens,
     )
     scale = head_dim**-0.5
-    expected = TorchAttentionBackend().forward(query, k_cache, v_cache, meta, scale)
+    if window:  # the blocks wholly before each window may hold anything: they must never be read
+        for i, n in enumerate(seq_lens):
+            for block in tables[i, : max(n - window, 0) // block_size].tolist():
+                k_cache[block], v_cache[block] = float("nan"), float("nan")
+    expected = TorchAttentionBackend().forward(query, k_cache, v_cache, meta, scale, window)
     out = torch.empty_like(query)
     lib.kvg_decode_attention(
         query.data_ptr(), heads * head_dim, k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), width,
         meta.seq_lens.data_ptr(), out.data_ptr(), heads * head_dim, len(seq_lens), heads, kv_heads, head_dim,
-        block_size, scale, code,
+        block_size, scale, code, window,
     )  # fmt: skip
     return out, expected
 
@@ -240,6 +244,17 @@ def test_decode_attention_equals_torch_backend(lib, dtype, attention_path, heads
     (in bfloat16 on AVX512-BF16 CPUs: dot products of bfloat16 pairs)."""
     dt, code = dtype
     out, expected = decode_attention_case(lib, dt, code, [1, 5, 300, 16, 33], heads, kv_heads, head_dim)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dt])
+
+
+@pytest.mark.parametrize("window", [1, 7, 64, 200])
+def test_decode_attention_reads_only_the_sliding_window(lib, dtype, attention_path, window):
+    """A sliding-window layer: each sequence's last ``window`` tokens, from any offset in a block and any chunk;
+    the blocks wholly before the window hold NaN (freed, perhaps another request's by now) and must not be read."""
+    dt, code = dtype
+    seq_lens = [1, 5, 300, 16, 33, 129]
+    out, expected = decode_attention_case(lib, dt, code, seq_lens, 9, 3, 64, block_size=4, window=window)
+    assert not expected.isnan().any()
     torch.testing.assert_close(out, expected, **TOLERANCE[dt])
 
 

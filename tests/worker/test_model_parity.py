@@ -1,4 +1,4 @@
-"""kvgrid's Llama-family model equals Hugging Face transformers on tiny random configurations."""
+"""kvgrid's models (each family, sliding windows included) equal transformers on tiny random configurations."""
 
 from __future__ import annotations
 
@@ -31,6 +31,17 @@ CONFIGS = {
     ),
     "qwen2-bias-tied": ("qwen2", {"tie_word_embeddings": True}),
     "mistral": ("mistral", {"sliding_window": None}),
+    # Every layer slides over 8 positions: the prompts below run past it, chunks start beyond it.
+    "mistral-window": ("mistral", {"sliding_window": 8}),
+    "qwen3-qk-norm": ("qwen3", {}),
+    "qwen3-tied-window": (
+        "qwen3",
+        {"tie_word_embeddings": True, "sliding_window": 8, "use_sliding_window": True, "max_window_layers": 1},
+    ),
+    "phi3-fused": ("phi3", {}),
+    "gemma3-interleaved": ("gemma3", {}),
+    "mixtral-top2-of-4": ("mixtral", {}),
+    "qwen3-moe-sparse-step": ("qwen3_moe", {}),
 }
 
 

@@ -26,16 +26,44 @@ BASE = dict(
 )
 
 
+KINDS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+# Per kind, beside BASE: Gemma 3's five sliding-window layers then a global one, shrunk to 3 layers and a window of 8
+# (prompts in the tests run past it), with a local rotary base unlike the global one.
+EXTRA = {
+    "gemma3": dict(
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        sliding_window=8,
+        query_pre_attn_scalar=16,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+    ),
+    "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    # experts in layer 1 only (layer 0 dense), top-2 of 6 not renormalized
+    "qwen3_moe": dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[0]
+    ),
+}
+
+
 def save_tiny_model(path: str, kind: str = "llama", seed: int = 0, **overrides) -> str:
-    """A random ``kind`` ("llama", "qwen2" or "mistral") causal LM saved as safetensors in ``path``."""
+    """A random ``kind`` (see KINDS) causal LM saved as safetensors in ``path``."""
     import transformers
 
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }[kind]
-    config = config_cls(**{**BASE, **overrides})
+    config_cls, model_cls = (getattr(transformers, name) for name in KINDS[kind])
+    config = config_cls(**{**BASE, **EXTRA.get(kind, {}), **overrides})
     torch.manual_seed(seed)
     model = model_cls(config)
     with torch.no_grad():  # random init leaves norms at 1 and biases at 0: perturb them so they are tested

@@ -9,6 +9,11 @@ KV cache layout, one tensor pair per layer (the runner owns them, layers get vie
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 Token t of request i lives in block ``block_tables[i, t // block_size]`` at offset
 ``t % block_size``; its slot is ``block_id * block_size + offset``.
+
+Sliding window (``window`` > 0, per layer): the query at position p sees the keys at positions
+p - window < k <= p (Hugging Face's rule). Blocks wholly before the window of a request's first
+new token are never read, so the scheduler may free them and hand them to another request while
+the table still names them (see ``services/scheduler/kv_cache_manager.py``).
 """
 
 from __future__ import annotations
@@ -76,5 +81,7 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Attention of each new token over its request's cached and new tokens (already written)."""
+        """Attention of each new token over its request's cached and new tokens (already written), over the last
+        ``window`` positions only when ``window`` > 0."""

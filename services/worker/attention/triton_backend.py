@@ -80,6 +80,7 @@ class TritonAttentionBackend(AttentionBackend):
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         self._check_device(query.device)
         return self._paged_attention(
@@ -91,4 +92,5 @@ class TritonAttentionBackend(AttentionBackend):
             meta.seq_lens,
             scale,
             meta.max_query_len,
+            window=window,
         )

@@ -694,14 +694,20 @@ int kvg_attention_path(void) {
  * share its keys and values. Each (sequence, chunk of tokens) is a task for all heads; chunks are
  * CHUNK tokens, or fewer (down to MIN_CHUNK) when a few short sequences would leave threads idle.
  * The chunks' partial softmax sums are merged per head. float32 throughout, the output rounded
- * once (as torch's SDPA).
+ * once (as torch's SDPA). window > 0 (a sliding-window layer): only the last window tokens of each
+ * sequence are read; blocks before them may hold another request's tokens by now.
  */
+static inline int window_start(int seq_len, int window) { return window > 0 && seq_len > window ? seq_len - window : 0; }
+
 void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache,
                           const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, void *out, int64_t ldo,
-                          int B, int H, int KV, int D, int block_size, float scale, int dt) {
+                          int B, int H, int KV, int D, int block_size, float scale, int dt, int window) {
     if (attention_path < 0) kvg_select_attention_path(ATTENTION_AVX512_BF16);
-    int max_len = 0;
-    for (int b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    int max_len = 0;  /* tokens read, at most */
+    for (int b = 0; b < B; b++) {
+        const int len = seq_lens[b] - window_start(seq_lens[b], window);
+        max_len = len > max_len ? len : max_len;
+    }
     int chunk = CHUNK;
     const int wanted = 4 * num_threads;  /* tasks enough for dynamic scheduling to even the threads out */
     if ((int64_t)B * ((max_len + CHUNK - 1) / CHUNK) < wanted) {
@@ -717,7 +723,7 @@ void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const
         float *qf = malloc(sizeof(float) * ((int64_t)H * D + (int64_t)H * CHUNK)), *scores = qf + (int64_t)H * D;
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < B * chunks; task++) {
-            const int b = task / chunks, t0 = task % chunks * chunk;
+            const int b = task / chunks, t0 = window_start(seq_lens[b], window) + task % chunks * chunk;
             const int t1 = t0 + chunk < seq_lens[b] ? t0 + chunk : seq_lens[b];
             float *part = parts + (int64_t)task * part_size;
             if (t0 >= t1) {  /* past this sequence's end: an empty part */

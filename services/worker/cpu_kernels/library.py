@@ -57,11 +57,11 @@ _SIGNATURES = {
     "kvg_rope_write_kv": (
         (c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p) + (c_int,) * 5
     ),
-    # q, ldq, k_cache, v_cache, block_tables, ldt, seq_lens, out, ldo, B, H, KV, D, block_size, scale, dtype
+    # q, ldq, k_cache, v_cache, block_tables, ldt, seq_lens, out, ldo, B, H, KV, D, block_size, scale, dtype, window
     "kvg_decode_attention": (
         (c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64, c_void_p, c_void_p, c_int64)
         + (c_int,) * 5
-        + (c_float, c_int)
+        + (c_float, c_int, c_int)
     ),
     # x, ldx, M, N, out (int64)
     "kvg_argmax_rows": (c_void_p, c_int64, c_int, c_int64, c_void_p),

@@ -58,6 +58,9 @@ class LlamaArgs:
     o_bias: bool = False
     mlp_bias: bool = False
     rope_scaling: dict = field(default_factory=dict)
+    # Per layer: the sliding window (a query sees the keys of its last `window` positions), 0 for full attention;
+    # empty when every layer attends to the full context.
+    layer_windows: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, cfg) -> LlamaArgs:
@@ -83,7 +86,28 @@ class LlamaArgs:
             o_bias=attention_bias and not qwen2,
             mlp_bias=bool(getattr(cfg, "mlp_bias", False)),
             rope_scaling=rope,
+            layer_windows=layer_windows(cfg),
         )
+
+    def window(self, layer: int) -> int:
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def freeing_window(self) -> int:
+        """The window every layer slides over (blocks before it are never read again), 0 if some layer sees all."""
+        return min(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
+
+
+def layer_windows(cfg) -> tuple[int, ...]:
+    """Each layer's sliding window from a Hugging Face config: ``sliding_window`` on the layers whose
+    ``layer_types`` entry is ``sliding_attention``, or on every layer where the config has no layer types
+    (Mistral, Phi-3); () when no layer slides."""
+    window = getattr(cfg, "sliding_window", None) or 0
+    if not window or not getattr(cfg, "use_sliding_window", True):
+        return ()
+    types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
 
 
 _DEFAULT_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -93,14 +117,19 @@ class Attention(nn.Module):
     # Tensor parallel: sums o_proj's partial outputs over the ranks (see parallel/sharding.py); None alone.
     all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def __init__(self, args: LlamaArgs, backend: AttentionBackend):
+    def __init__(self, args: LlamaArgs, backend: AttentionBackend, layer: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.window = args.window(layer)
         self.q_size, self.kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
         self.o_proj = Linear(self.q_size, args.hidden_size, bias=args.o_bias)
         self.scale = args.head_dim**-0.5
         self.backend = backend
+
+    def rotate_qk(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[T, H + KV, D] queries then keys, rotated (a family with q/k norms normalizes them first)."""
+        return apply_rotary(qk, cos, sin)
 
     def forward(
         self,
@@ -113,12 +142,12 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj.forward(x)  # [T, (H + 2*KV) * D]
         # q and k are adjacent columns: one rotary call covers both.
-        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
+        qk = self.rotate_qk(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KV, D]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale, self.window)  # [T, H, D]
         out = self.o_proj.forward(out.reshape(num_tokens, self.q_size))  # [T, E]
         return out if self.all_reduce is None else self.all_reduce(out)
 
@@ -139,10 +168,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, backend: AttentionBackend):
+    attention = Attention  # a family's own attention (q/k norms) in a subclass
+
+    def __init__(self, args: LlamaArgs, backend: AttentionBackend, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args, backend)
+        self.self_attn = self.attention(args, backend, layer)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
@@ -156,11 +187,14 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Build on the meta device, move with ``to_empty``, then ``load_weights``; call ``init_rope`` on the target."""
 
+    decoder_layer = DecoderLayer  # a family's own layer in a subclass
+    native_cpu = True  # the native CPU path (llama_cpu.py) computes this family's layers
+
     def __init__(self, args: LlamaArgs, backend: AttentionBackend):
         super().__init__()
         self.args = args
         self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, backend) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer(args, backend, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else Linear(args.hidden_size, args.vocab_size, bias=False)
         self.cos: torch.Tensor | None = None  # [max_positions, D], see rope.cos_sin_tables
@@ -289,6 +323,14 @@ class LlamaForCausalLM(nn.Module):
         if keep_copies:
             self.logits_weight_f32 = embed.detach().float() if self.lm_head is None else self.lm_head.weight_f32
 
+    def load_extra(self, name: str, tensor: torch.Tensor | PackedWeight) -> set[str]:
+        """A family's own checkpoint tensors (e.g. experts): copied, with the keys they complete; else empty."""
+        return set()
+
+    def extra_expected(self) -> dict[str, set[str]]:
+        """Parameters that ``load_extra`` fills, each with the keys that together complete it."""
+        return {}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
         """Copy checkpoint tensors (Hugging Face names) into the fused parameters; raises on gaps.
 
@@ -310,6 +352,10 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
+            keys = self.load_extra(name, tensor)
+            if keys:
+                loaded |= keys
+                continue
             parts = name.split(".")
             offset = None
             if len(parts) >= 2 and parts[-2] in fused:
@@ -327,7 +373,10 @@ class LlamaForCausalLM(nn.Module):
             else:
                 param.copy_(tensor)
             loaded.add(target if offset is None else f"{target}@{offset}")
-        expected = {n for n in params if not any(p in n for p in ("qkv_proj", "gate_up_proj"))}
+        extra = self.extra_expected()
+        expected = {n for n in params if not any(p in n for p in ("qkv_proj", "gate_up_proj")) and n not in extra}
+        for keys in extra.values():
+            expected |= keys
         for n in params:
             if "qkv_proj" in n:
                 expected |= {f"{n}@0", f"{n}@{q}", f"{n}@{q + kv}"}

@@ -81,6 +81,8 @@ class NativeCpuPath:
         self.lib, self.model = lib, model
         self.native_rows = gemv_rows(dtype, detect_cpu().bf16_units)
         self.prefill_lib, self.prefill_path = _prefill_kernel(a.head_dim, a.num_heads // a.num_kv_heads)
+        if any(a.layer_windows):  # the native prefill kernel reads whole contexts: windowed chunks go to the backend
+            self.prefill_lib, self.prefill_path = None, "SDPA (sliding-window layers)"
         self.dtype, self.code = dtype, DTYPE_CODES[dtype_name]
         self.hidden, self.intermediate = a.hidden_size, a.intermediate_size
         self.heads, self.kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
@@ -202,14 +204,16 @@ class NativeCpuPath:
             lib.kvg_rope_write_kv(q, width, cos, sin, pos, slots, kc, vc, rows, H, KV, D, dt)
             if backend is None:
                 lib.kvg_decode_attention(
-                    q, width, kc, vc, tables, table_width, lens, o, H * D, rows, H, KV, D, block_size, self.scale, dt
-                )
+                    q, width, kc, vc, tables, table_width, lens, o, H * D, rows, H, KV, D, block_size, self.scale, dt,
+                    attention.window,
+                )  # fmt: skip
                 out = attn
             elif self.prefill_lib is not None:
                 self.mixed_attention(meta, num_decodes, qkv, k_cache, v_cache, attn)
                 out = attn
             else:  # the query rows sit in qkv, rotated in place
-                out = backend.forward(qkv[:, : H * D].view(rows, H, D), k_cache, v_cache, meta, self.scale)
+                query = qkv[:, : H * D].view(rows, H, D)
+                out = backend.forward(query, k_cache, v_cache, meta, self.scale, attention.window)
                 out = out.reshape(rows, H * D)
             self.linear(attention.o_proj, out, hidden, accumulate=True)
             lib.kvg_rms_norm(h, layer.post_attention_layernorm.weight.data_ptr(), n, rows, E, self.eps, dt)
@@ -229,7 +233,7 @@ class NativeCpuPath:
         if num_decodes:
             self.lib.kvg_decode_attention(
                 qkv.data_ptr(), width, kc, vc, tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(),
-                H * D, num_decodes, H, KV, D, block_size, self.scale, dt,
+                H * D, num_decodes, H, KV, D, block_size, self.scale, dt, 0,
             )  # fmt: skip
         rest = meta.num_seqs - num_decodes
         if rest:
@@ -251,6 +255,7 @@ class NativeCpuPath:
         meta: AttentionMetadata,
         num_seqs: int,  # the first B requests of the step, one new token each
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:  # [B, H, D]
         """Paged decode attention for the decodes of a mixed step (``TorchAttentionBackend.native_decode``)."""
         if query.stride(2) != 1 or query.stride(1) != self.head_dim:
@@ -260,7 +265,7 @@ class NativeCpuPath:
         self.lib.kvg_decode_attention(
             query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), meta.block_tables.data_ptr(),
             meta.block_tables.shape[1], meta.seq_lens.data_ptr(), out.data_ptr(), self.heads * self.head_dim,
-            num_seqs, self.heads, self.kv_heads, self.head_dim, k_cache.shape[1], scale, self.code,
+            num_seqs, self.heads, self.kv_heads, self.head_dim, k_cache.shape[1], scale, self.code, window,
         )  # fmt: skip
         return out
 

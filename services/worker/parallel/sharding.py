@@ -32,6 +32,8 @@ def divisible_sizes(args: LlamaArgs) -> list[int]:
 
 def check_size(args: LlamaArgs, size: int) -> None:
     """Raises ValueError with a one-line reason when ``size`` ranks cannot split this model evenly."""
+    if getattr(args, "num_experts", 0):
+        raise ValueError(f"--tensor-parallel-size {size}: mixture-of-experts models run on one rank")
     if size in divisible_sizes(args):
         return
     raise ValueError(

@@ -166,6 +166,8 @@ def attach_cpu_kernels(model: LlamaForCausalLM, choice: str, device: torch.devic
     try:
         if device.type != "cpu" or backend != "torch":
             raise NativeKernelsUnavailable(f"they run on CPU with the torch attention backend, not {device}/{backend}")
+        if not model.native_cpu:
+            raise NativeKernelsUnavailable(f"they compute the Llama layer, not {model.args.architecture}'s")
         model.set_native_path(NativeCpuPath(model, load_native_kernels()))
     except (NativeKernelsUnavailable, ValueError) as exc:
         if choice == "native":
@@ -183,11 +185,8 @@ def attach_cpu_kernels(model: LlamaForCausalLM, choice: str, device: torch.devic
 
 
 def max_model_len(args: LlamaArgs, hf_config: Any, configured: int) -> int:
-    """The model's own limit (a sliding window caps it: kvgrid attends over full context), or less if asked."""
+    """The model's own limit, or less if asked (sliding-window layers attend over their window at any length)."""
     limit = args.max_position_embeddings
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, window)
     return min(limit, configured) if configured > 0 else limit
 
 
@@ -202,8 +201,12 @@ def plan_memory(
     max_num_seqs: int = 128,
     seed: int | None = None,
 ) -> MemoryFigures:
-    """The block count; raises InsufficientMemory when one max-length sequence does not fit."""
+    """The block count; raises InsufficientMemory when one max-length sequence does not fit (for a model whose
+    every layer slides over a window, whose blocks behind it the scheduler frees: one window and one step)."""
     block_bytes = loaded.block_bytes(block_size)
+    window = loaded.args.freeing_window
+    if window:  # the blocks from the window of a step's first token, and the step's: at most this many tokens
+        max_len = min(max_len, window - 1 + max_num_batched_tokens + block_size)
     if loaded.device.type == "cuda":
         figures = _profile_cuda(
             loaded, block_size, block_bytes, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs, seed

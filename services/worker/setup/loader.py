@@ -19,7 +19,8 @@ import torch
 
 from services.worker.attention.base import AttentionBackend
 from services.worker.layers.rope import RopeError, inverse_frequencies
-from services.worker.models.llama import ARCHITECTURES, LlamaArgs, LlamaForCausalLM
+from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
+from services.worker.models.registry import ARCHITECTURES, FAMILIES, family_of
 from services.worker.parallel.sharding import shard_weights
 from services.worker.quant.load import quantize_loaded, quantized_weights
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 # Tokens that end a chat turn in the templates of common models; included in the EOS ids when present.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<end_of_turn>")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 class ModelLoadError(Exception):
@@ -80,13 +81,15 @@ def read_config(source: ModelSource) -> tuple[Any, LlamaArgs]:
         raise ModelLoadError(f"cannot read the model config of {source.path!r}: {_one_line(exc)}") from exc
     model_type = getattr(hf_config, "model_type", "")
     archs = getattr(hf_config, "architectures", None) or []
-    if model_type not in SUPPORTED_MODEL_TYPES or (archs and archs[0] not in ARCHITECTURES):
+    family = family_of(model_type, archs[0] if archs else None)
+    if family is None:
         name = archs[0] if archs else model_type
         raise ModelLoadError(f"architecture {name!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
-    args = LlamaArgs.from_hf_config(hf_config)
     try:
+        family.check(hf_config)
+        args = family.read_args(hf_config)
         inverse_frequencies(args.head_dim, args.rope_theta, args.rope_scaling)
-    except (RopeError, KeyError) as exc:
+    except (RopeError, KeyError, ValueError) as exc:
         raise ModelLoadError(f"{source.path!r}: {_one_line(exc)}") from exc
     return hf_config, args
 
@@ -122,12 +125,14 @@ def build_model(
     shard: tuple[int, int] = (0, 1),
 ) -> LlamaForCausalLM:
     """``args`` are the shapes to build; with ``shard`` (rank, size) of size > 1, those of one tensor-parallel rank."""
+    family = FAMILIES[hf_config.model_type]
     with torch.device("meta"):
-        model = LlamaForCausalLM(args, backend).to(dtype)
+        model = family.model(args, backend).to(dtype)
     model.to_empty(device=device)
     try:
         with torch.no_grad():
             weights = quantized_weights(source, args, quantization) or iter_weights(source, hf_config)
+            weights = family.rename(weights, args)
             model.load_weights(shard_weights(weights, *shard) if shard[1] > 1 else weights)
             quantize_loaded(model, quantization)
     except Exception as exc:
