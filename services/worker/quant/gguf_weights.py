@@ -29,16 +29,25 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+# Gemma 3 norms around both blocks: llama.cpp's ffn_norm is its pre-feedforward norm there
+_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, arch: str = "llama") -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for tensors kvgrid skips."""
     stem, _, kind = name.rpartition(".")
     parts = stem.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{kind}"
     return None  # e.g. rope_freqs: kvgrid computes rotary tables itself
@@ -72,9 +81,10 @@ def read_gguf(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[st
 
     reader = gguf.GGUFReader(path)
     field = reader.fields.get("general.architecture")
-    permuted = field is not None and bytes(field.parts[field.data[0]]).decode() == "llama"
+    arch = "llama" if field is None else bytes(field.parts[field.data[0]]).decode()
+    permuted = arch == "llama"
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             continue
         kind = tensor.tensor_type.name
@@ -89,6 +99,8 @@ def read_gguf(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[st
         else:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             value = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                value -= 1  # llama.cpp stores Gemma's 1 + w; the model's RMSNorm adds the 1 (as transformers reads it)
         heads = num_heads if ".q_proj." in name else num_kv_heads if ".k_proj." in name else 0
         if permuted and heads:
             order = unpermute_rows(value.shape[0], heads)
