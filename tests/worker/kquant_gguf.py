@@ -1,5 +1,6 @@
-"""A copy of a GGUF file with some of its matrices re-quantized to K-quants (``kquant_pack``): every
-metadata field and every other tensor as the source holds them."""
+"""A copy of a GGUF file with some of its matrices re-quantized to K-quants (``kquant_pack``) or to the
+types ``gguf`` itself quantizes (q4_0, q8_0, ...): every metadata field and every other tensor as the
+source holds them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from tests.worker.kquant_pack import GGML_NAMES, quantize
 
 
 def write_kquant_copy(source: str, target: str, choose: Callable[[str], str | None]) -> dict[str, str]:
-    """``choose(tensor name)``: a K-quant format to re-quantize that matrix to, or None to copy it.
+    """``choose(tensor name)``: a format to re-quantize that matrix to, or None to copy it.
     Returns the re-quantized tensors' formats by name."""
     reader = gguf.GGUFReader(source)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
@@ -30,7 +31,11 @@ def write_kquant_copy(source: str, target: str, choose: Callable[[str], str | No
             data, kind = tensor.data, tensor.tensor_type
         else:
             dense = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            data, kind = quantize(dense, fmt), gguf.GGMLQuantizationType[GGML_NAMES[fmt]]
+            if fmt in GGML_NAMES:
+                data, kind = quantize(dense, fmt), gguf.GGMLQuantizationType[GGML_NAMES[fmt]]
+            else:
+                kind = gguf.GGMLQuantizationType[fmt.upper()]
+                data = gguf.quants.quantize(dense, kind)
             chosen[tensor.name] = fmt
         tensors.append((tensor.name, np.ascontiguousarray(data), kind))
         writer.add_tensor_info(tensor.name, data.shape, data.dtype, data.nbytes, kind)

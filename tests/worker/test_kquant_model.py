@@ -2,7 +2,8 @@
 projections re-quantized to Q4_K, Q5_K and Q6_K (the only matrices of this 576-wide model whose K, 1536,
 is whole 256-value super-blocks) is served with those blocks kept packed, and under teacher forcing its
 next-token choice stays within the float32 model's top 5 at every step (the same file dequantized), with
-the top 1 agreeing at least 90% of the time. The same on Gemma 3 270M Q4_K_M from its PyPI package, every
+the top 1 agreeing at least 90% of the time; layer 0's v_proj, re-quantized to Q4_0 beside Q4_1 q and k,
+keeps its fused q/k/v packed as two parts. The same on Gemma 3 270M Q4_K_M from its PyPI package, every
 matrix packed (Q4_K, Q6_K; Q5_0 as Q8_0; Q8_0). Both print their top-1 agreement."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from services.common.default_model import default_model_path
 from services.worker.layers.linear import Linear
+from services.worker.quant.formats import PackedParts
 from services.worker.setup.build import create_runner, load_model
 from services.worker.setup.loader import load_tokenizer
 from tests.worker.kquant_gguf import write_kquant_copy
@@ -28,8 +30,11 @@ BLOCK_SIZE = 16
 
 
 def down_projections_to_kquants(name: str) -> str | None:
-    """blk.<i>.ffn_down.weight -> one of FORMATS by layer; every other tensor as stored."""
+    """blk.<i>.ffn_down.weight -> one of FORMATS by layer; layer 0's v to q4_0, so that its fused q/k/v
+    mixes two types; every other tensor as stored."""
     parts = name.split(".")
+    if name == "blk.0.attn_v.weight":
+        return "q4_0"
     return FORMATS[int(parts[1]) % len(FORMATS)] if parts[0] == "blk" and parts[2] == "ffn_down" else None
 
 
@@ -37,7 +42,7 @@ def down_projections_to_kquants(name: str) -> str | None:
 def kquant_gguf(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("kquant") / "smollm2-kquants.gguf")
     chosen = write_kquant_copy(default_model_path(), path, down_projections_to_kquants)
-    assert set(chosen.values()) == set(FORMATS)
+    assert set(chosen.values()) == {*FORMATS, "q4_0"}
     return path
 
 
@@ -87,7 +92,8 @@ def teacher_forced_agreement(quantized, dense, prompts: list[str]) -> float:
 def packed_formats(loaded, width: int | None = None) -> set[str]:
     """The packed formats of the model's linears (of those ``width`` wide when given)."""
     linears = [m for m in loaded.model.modules() if isinstance(m, Linear) and m.packed is not None]
-    return {m.packed.format for m in linears if width is None or m.packed.shape[1] == width}
+    chosen = [m.packed for m in linears if width is None or m.packed.shape[1] == width]
+    return {fmt for p in chosen for fmt in (p.formats if isinstance(p, PackedParts) else [p.format])}
 
 
 @pytest.mark.slow
@@ -96,6 +102,8 @@ def test_teacher_forcing_stays_in_float_top5(kquant_gguf):
     dense = load_model(kquant_gguf, dtype="float32", device="cpu")
     # the K-quant blocks are kept packed, not dequantized at load
     assert packed_formats(quantized, quantized.args.intermediate_size) == set(FORMATS)
+    qkv = quantized.model.layers[0].self_attn.qkv_proj.packed  # layer 0's q/k/v in two types: kept as parts
+    assert isinstance(qkv, PackedParts) and qkv.formats == ["q4_1", "q4_0"]
     assert teacher_forced_agreement(quantized, dense, PROMPTS) >= 0.9
 
 

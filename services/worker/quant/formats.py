@@ -75,6 +75,35 @@ class PackedWeight:
         )
 
 
+@dataclass(slots=True)
+class PackedParts:
+    """Packed matrices stacked along N in different formats: a fused q/k/v or gate/up whose parts a GGUF
+    stores in different types. Each part multiplies on its own into its own output columns
+    (``matmul.linear_into``). ``tiled`` is always False: a kernel call that takes one tiled matrix declines it."""
+
+    parts: list[PackedWeight]
+    tiled: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].num_cols
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def formats(self) -> list[str]:
+        return [p.format for p in self.parts]
+
+    def offsets(self) -> list[int]:
+        """Each part's first output column."""
+        starts = [0]
+        for p in self.parts[:-1]:
+            starts.append(starts[-1] + p.shape[0])
+        return starts
+
+
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     """Stack along N (fused q/k/v, gate/up); all parts share one format and K."""
     parts = [untile(p) for p in parts]
