@@ -3,8 +3,10 @@
     python -m benchmarks.quant_bench [--rows 1,8,32,128,512] [--threads 2] [--rounds 3]
         [--paths avx512-vnni,avx2,scalar]
 
-For SmolLM2-135M's matrix shapes (gate/up 3072x576, down 576x1536, the 49152x576 logits) and
-each row count: the native quantized kernel (``quant_kernels.c``) on int8, q8_0 and q4_1 weights,
+For SmolLM2-135M's matrix shapes (gate/up 3072x576, down 576x1536, the 49152x576 logits), Gemma 3
+270M's down projection (640x2048) and each row count: the native quantized kernel (``quant_kernels.c``)
+on int8, q8_0, q4_0 and q4_1 weights, and on the K-quants q4_k and q6_k where K is whole 256-value
+super-blocks (random blocks: the time does not depend on the values),
 the same weights dequantized per call then torch's float32 GEMM (what ``quant.matmul`` does from
 ``DEQUANTIZE_ROWS`` rows), and torch's float32 GEMM on float weights (the unquantized baseline).
 ``--paths`` measures the native kernel on each of its dot-product paths (default: the fastest this
@@ -24,18 +26,27 @@ import torch.nn.functional as F
 
 from benchmarks.results import save
 from services.worker.cpu_kernels.library import QUANT_PATHS, select_quant_path
-from services.worker.quant import formats
+from services.worker.quant import formats, kquants
 from services.worker.quant.matmul import dequantize_rows, linear_into
 
-SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "logits": (49152, 576)}
+SHAPES = {"gate_up": (3072, 576), "down": (576, 1536), "logits": (49152, 576), "gemma_down": (640, 2048)}
 
 
 def ggml_pack(fmt: str, weight: torch.Tensor) -> formats.PackedWeight:
     import gguf
 
-    kind = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_1": gguf.GGMLQuantizationType.Q4_1}[fmt]
+    kind = gguf.GGMLQuantizationType[fmt.upper()]
     raw = gguf.quants.quantize(weight.numpy(), kind)
     return formats.PackedWeight(fmt, torch.from_numpy(raw.copy()).view(weight.shape[0], -1), weight.shape[1])
+
+
+def kquant_blocks(fmt: str, n: int, k: int) -> formats.PackedWeight:
+    """Random K-quant super-blocks with small fp16 scales (``gguf`` has no K-quant quantizer)."""
+    blocks = torch.randint(0, 256, (n, k // kquants.SUPER, kquants.K_BLOCK_BYTES[fmt]), dtype=torch.uint8)
+    scales = torch.full((n, k // kquants.SUPER, 1), 0.01, dtype=torch.float16).view(torch.uint8)
+    for at in [208] if fmt == "q6_k" else [0, 2]:
+        blocks[..., at : at + 2] = scales
+    return formats.PackedWeight(fmt, blocks.view(n, -1), k)
 
 
 def timed(fn, repeat: int, clock=time.perf_counter) -> float:
@@ -64,7 +75,9 @@ def main() -> None:
         n, k = SHAPES[name]
         weight = torch.randn(n, k) * 0.05
         packed = {"int8": formats.quantize_int8(weight), "q8_0": ggml_pack("q8_0", weight)}
-        packed["q4_1"] = ggml_pack("q4_1", weight)
+        packed |= {fmt: ggml_pack(fmt, weight) for fmt in ("q4_0", "q4_1")}
+        if k % kquants.SUPER == 0:
+            packed |= {fmt: kquant_blocks(fmt, n, k) for fmt in ("q4_k", "q6_k")}
         packed = {fmt: formats.tile(p) for fmt, p in packed.items()}  # as models hold them
         for _ in range(args.rounds):
             for rows in rows_list:
@@ -88,9 +101,12 @@ def main() -> None:
     print("|---|---:|" + "---:|" * len(sides))
     for name in args.shapes.split(","):
         for rows in rows_list:
-            med = {s: statistics.median(samples[(name, rows, s)]) for s in sides}
+            med = {s: statistics.median(samples[(name, rows, s)]) for s in sides if (name, rows, s) in samples}
             base = med["float32"]
-            cells = [f"{med[s]:.0f}" + ("" if s == "float32" else f" ({base / med[s]:.2f}x)") for s in sides]
+            cells = [
+                "-" if s not in med else f"{med[s]:.0f}" + ("" if s == "float32" else f" ({base / med[s]:.2f}x)")
+                for s in sides
+            ]
             print(f"| {name} {SHAPES[name]} | {rows} | " + " | ".join(cells) + " |")
             results.append({"matrix": name, "shape": SHAPES[name], "rows": rows, "us": med})
     save("quant_bench", {"threads": args.threads, "rounds": args.rounds, "paths": paths, "results": results})

@@ -126,12 +126,15 @@ def kv_tiers(d: dict) -> tuple[Table, str]:
 
 
 def quant(d: dict) -> tuple[Table, str]:
-    sides = list(d["results"][0]["us"])
+    sides = list(dict.fromkeys(s for r in d["results"] for s in r["us"]))  # K-quants only where K allows
     head = ["matrix", "rows"] + [f"{s} µs" + ("" if s == "float32" else " (vs float32)") for s in sides]
     rows = []
     for r in d["results"]:
-        base = r["us"]["float32"]
-        cells = [num(r["us"][s], 0) + ("" if s == "float32" else f" ({ratio(base / r['us'][s])})") for s in sides]
+        base, us = r["us"]["float32"], r["us"]
+        cells = [
+            "-" if s not in us else num(us[s], 0) + ("" if s == "float32" else f" ({ratio(base / us[s])})")
+            for s in sides
+        ]
         rows.append([f"{r['matrix']} {r['shape'][0]}x{r['shape'][1]}", str(r["rows"]), *cells])
     one = [r for r in d["results"] if r["rows"] == 1 and "q4_1" in r["us"]]
     headline = ", ".join(f"{r['matrix']} {ratio(r['us']['float32'] / r['us']['q4_1'])}" for r in one)

@@ -101,7 +101,7 @@ class LoadConfig:
     load_format: str = _opt("auto", "weight file format", ("auto", "safetensors", "gguf"))
     quantization: str = _opt(
         "none",
-        "CPU weights: none (as loaded), int8 (per-channel, quantized at load) or gguf (a GGUF file's q4/q8 blocks)",
+        "CPU weights: none (as loaded), int8 (per-channel, quantized at load) or gguf (a GGUF file's blocks)",
         ("none", "int8", "gguf"),
     )
 

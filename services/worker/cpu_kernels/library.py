@@ -1,6 +1,6 @@
 """Builds the native CPU kernels once per source version, and loads them with ctypes.
 
-Three shared libraries, each from its C file (plus the shared ``scalar.h``):
+Three shared libraries, each from its C file (plus the headers beside it: ``scalar.h``, ``kquants.h``...):
 - ``decode_kernels.c``: the float32/bfloat16 step kernels, compiled for AVX2 and FMA (paged
   attention also with AVX-512 and AVX512-BF16, chosen at run time: ``ATTENTION_PATHS``); ``load`` raises
   ``NativeKernelsUnavailable`` on CPUs without AVX2 and FMA.
@@ -122,7 +122,7 @@ def _compiler() -> str:
 
 def build(directory: Path | None = None, library: Library = DECODE) -> Path:
     """The path of the compiled library, compiling it first if these sources and flags have none yet."""
-    sources = library.source.read_bytes() + (HERE / "scalar.h").read_bytes()
+    sources = library.source.read_bytes() + b"".join(h.read_bytes() for h in sorted(HERE.glob("*.h")))
     digest = hashlib.sha256(sources + " ".join(library.flags).encode()).hexdigest()[:16]
     directory = directory or cache_dir()
     target = directory / f"kvgrid_{library.source.stem}_{digest}.so"

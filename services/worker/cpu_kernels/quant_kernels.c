@@ -23,7 +23,8 @@
  *
  * Work is split across threads by tiles, handed out dynamically in chunks, so a thread that
  * loses its core to another process delays only the chunk it holds. dtype codes of x and y:
- * scalar.h. Format codes: 0 int8, 1 q8_0, 2 q4_0, 3 q4_1.
+ * scalar.h. Format codes: 0 int8, 1 q8_0, 2 q4_0, 3 q4_1, and ggml's K-quants 4 q4_k, 5 q5_k, 6 q6_k,
+ * whose rows stay as stored (kquants.h).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -35,7 +36,7 @@
 #define HAVE_X86 1
 #endif
 
-enum { INT8 = 0, Q8_0 = 1, Q4_0 = 2, Q4_1 = 3 };
+enum { INT8 = 0, Q8_0 = 1, Q4_0 = 2, Q4_1 = 3, Q4_K = 4, Q5_K = 5, Q6_K = 6 };
 enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_VNNI = 2 };
 #define QB 32  /* values per block */
 #define TILE 8 /* rows per tile */
@@ -174,12 +175,12 @@ __attribute__((target("avx2"))) static void widen_block(const int8_t *q, uint8_t
 }
 #endif
 
-/* x's rows as int8 blocks; for VNNI also widened, biased by +128 where the weights are signed. */
+/* x's rows as int8 blocks; for VNNI's tiled formats also widened, biased by +128 where the weights are signed. */
 static QRows quantize_rows(const void *x, int M, int64_t K, int dt, int fmt) {
     (void)fmt; /* read by VNNI's widening only */
     QRows r;
     r.nb = (K + QB - 1) / QB;
-    const size_t blocks = (size_t)M * r.nb, wide = path == PATH_VNNI ? blocks * 8 * QB : 0;
+    const size_t blocks = (size_t)M * r.nb, wide = path == PATH_VNNI && fmt <= Q4_1 ? blocks * 8 * QB : 0;
     uint8_t *buf = scratch_of(blocks * QB + 2 * sizeof(float) * blocks + wide);
     r.q = (int8_t *)buf;
     r.d = (float *)(buf + blocks * QB);
@@ -449,6 +450,8 @@ static void linear_simd(const QRows *xr, const void *w, const float *scales, con
 }
 #endif
 
+#include "kquants.h"
+
 /*
  * y[m, n] = sum_k x[m, k] W[n, k] + bias[n] for m < M; x: [M, K] of dtype dt, W: [N, K] tiled
  * in fmt (int8 with scales [N] float32), bias: [N] of dtype dt or NULL, y: rows of stride ldy.
@@ -458,6 +461,10 @@ void kvq_linear(const void *x, const void *w, const float *scales, const void *b
                 int64_t N, int64_t K, int fmt, int dt, int accumulate) {
     if (path < 0) kvq_select_path(PATH_VNNI);
     QRows xr = quantize_rows(x, M, K, dt, fmt);
+    if (fmt >= Q4_K) {
+        linear_k(&xr, w, bias, y, ldy, M, N, K, fmt, dt, accumulate);
+        return;
+    }
 #ifdef HAVE_X86
     if (path > PATH_SCALAR)
         linear_simd(&xr, w, scales, bias, y, ldy, M, N, fmt, dt, accumulate);
@@ -470,6 +477,13 @@ void kvq_linear(const void *x, const void *w, const float *scales, const void *b
 void kvq_dequantize_rows(const void *w, const float *scales, const int64_t *index, int64_t count, int64_t K, int fmt,
                          float *out) {
     const int64_t nb = (K + QB - 1) / QB;
+    if (fmt >= Q4_K) {
+        const int64_t row_bytes = K / QK * k_block_bytes(fmt);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (count > 1)
+        for (int64_t i = 0; i < count; i++)
+            dequantize_row_k((const uint8_t *)w + (index ? index[i] : i) * row_bytes, K, fmt, out + i * K);
+        return;
+    }
 #pragma omp parallel num_threads(num_threads) if (count > 1)
     {
         int8_t *q = malloc((size_t)nb * QB);

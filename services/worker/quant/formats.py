@@ -8,12 +8,14 @@ A ``PackedWeight`` is an [N, K] matrix (N output channels, K inputs) stored row 
   (``--quantization gguf``). Per block: q8_0 = fp16 d + 32 int8 (w = d q); q4_0 = fp16 d + 16
   bytes of nibbles (w = d (q - 8)); q4_1 = fp16 d + fp16 m + 16 bytes (w = d q + m). Byte j of
   a block's nibbles holds value j in its low half and value j + 16 in its high half.
+- ``q4_k``, ``q5_k``, ``q6_k``: ggml's K-quant super-blocks of 256 values along K (``kquants``), as stored.
 
 The native kernels read a tiled copy instead (``tile``; ``PackedWeight.tiled``): rows in tiles of
 ``TILE``, and per (tile, block of 32 along K) one record with the tile's fp16 scales d (q8_0, q4_*),
 then its fp16 offsets m (q4_1), then the values 4 bytes at a time, row after row: bytes 0-3 of rows
 0..7, then bytes 4-7, and so on (see ``quant_kernels.c`` for why). Tiling moves bytes only: the same
-blocks, the same size (plus zero rows up to a whole tile, and for int8 zeros up to whole blocks).
+blocks, the same size (plus zero rows up to a whole tile, and for int8 zeros up to whole blocks). K-quant
+rows are not tiled: their kernel reads each row's super-blocks as stored (``tile`` only marks them ready).
 
 Every other function here is the slow, obvious definition the native kernels are tested against;
 they take either layout.
@@ -26,9 +28,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from services.worker.quant import kquants
+
 BLOCK = 32  # values per ggml block
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-FORMAT_CODES = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3}  # see quant_kernels.c
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, **kquants.K_BLOCK_BYTES}
+FORMAT_CODES = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6}  # see quant_kernels.c
 TILE = 8  # rows per tile of the tiled layout
 
 
@@ -71,6 +75,35 @@ class PackedWeight:
         )
 
 
+@dataclass(slots=True)
+class PackedParts:
+    """Packed matrices stacked along N in different formats: a fused q/k/v or gate/up whose parts a GGUF
+    stores in different types. Each part multiplies on its own into its own output columns
+    (``matmul.linear_into``). ``tiled`` is always False: a kernel call that takes one tiled matrix declines it."""
+
+    parts: list[PackedWeight]
+    tiled: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].num_cols
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def formats(self) -> list[str]:
+        return [p.format for p in self.parts]
+
+    def offsets(self) -> list[int]:
+        """Each part's first output column."""
+        starts = [0]
+        for p in self.parts[:-1]:
+            starts.append(starts[-1] + p.shape[0])
+        return starts
+
+
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     """Stack along N (fused q/k/v, gate/up); all parts share one format and K."""
     parts = [untile(p) for p in parts]
@@ -89,6 +122,15 @@ def quantize_int8(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight("int8", q.contiguous(), w.shape[1], scales.contiguous())
 
 
+def is_kquant(fmt: str) -> bool:
+    return fmt in kquants.K_BLOCK_BYTES
+
+
+def block_width(fmt: str) -> int:
+    """Values per stored block along K."""
+    return kquants.SUPER if is_kquant(fmt) else BLOCK
+
+
 def _record_layout(fmt: str) -> tuple[int, int]:
     """(fp16 fields per row in a block: d, and m for q4_1; 4-byte value chunks per row in a block)."""
     if fmt == "int8":
@@ -100,6 +142,8 @@ def tile(packed: PackedWeight) -> PackedWeight:
     """The tiled copy the native kernels read (the same values; see the module docstring)."""
     if packed.tiled:
         return packed
+    if is_kquant(packed.format):
+        return replace(packed, tiled=True)
     n, k = packed.shape
     rows = -(-n // TILE) * TILE
     fields, chunks = _record_layout(packed.format)
@@ -127,6 +171,8 @@ def untile(packed: PackedWeight) -> PackedWeight:
         return packed
     if packed.stored is not None:
         return replace(packed, data=packed.stored, tiled=False, stored=None)
+    if is_kquant(packed.format):
+        return replace(packed, tiled=False)
     n, k = packed.shape
     rows, width = packed.data.shape
     fields, chunks = _record_layout(packed.format)
@@ -141,10 +187,10 @@ def untile(packed: PackedWeight) -> PackedWeight:
     return replace(packed, data=data.contiguous(), tiled=False)
 
 
-def _blocks(packed: PackedWeight) -> torch.Tensor:  # [N, K / 32, block bytes] uint8
+def _blocks(packed: PackedWeight) -> torch.Tensor:  # [N, K / block width, block bytes] uint8
     packed = untile(packed)
     n, k = packed.shape
-    return packed.data.view(n, k // BLOCK, BLOCK_BYTES[packed.format])
+    return packed.data.view(n, k // block_width(packed.format), BLOCK_BYTES[packed.format])
 
 
 def _fp16(raw: torch.Tensor) -> torch.Tensor:  # [..., 2] uint8 -> [...] float32
@@ -170,6 +216,8 @@ def dequantize(packed: PackedWeight) -> torch.Tensor:
     packed = untile(packed)
     if packed.format == "int8":
         return packed.data.float() * packed.scales[:, None]
+    if is_kquant(packed.format):
+        return kquants.dequantize(_blocks(packed), packed.format)
     q, d, m = block_values(packed)
     w = q.float() * d[..., None]
     if m is not None:
@@ -203,6 +251,8 @@ def reference_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor |
         w[:, :k] = packed.data.long()
         sums = torch.einsum("mbj,nbj->mnb", qx.long(), w.view(n, -1, BLOCK)).double()  # exact integers
         out = (sums * dx.double()[:, None, :]).sum(-1) * packed.scales.double()[None, :]
+    elif is_kquant(packed.format):  # (K is whole super-blocks, so x has no padding)
+        out = kquants.reference_sums(qx, dx, _blocks(packed), packed.format)
     else:
         q, d, m = block_values(packed)
         sums = torch.einsum("mbj,nbj->mnb", qx.long(), q.long()).double()

@@ -1,4 +1,5 @@
-"""A GGUF file's tensors under Hugging Face names, q8_0 / q4_0 / q4_1 matrices kept as stored.
+"""A GGUF file's tensors under Hugging Face names, q8_0 / q4_0 / q4_1 and K-quant (q4_k / q5_k / q6_k) matrices
+kept as stored, q5_0 ones repacked without loss as q8_0 (``q5_0_as_q8_0``).
 
 Only the ``gguf`` package reads the file (transformers' GGUF reader dequantizes everything).
 Tensors of other types (float norms, other quantizations) are dequantized by ``gguf`` itself
@@ -16,7 +17,8 @@ import torch
 
 from services.worker.quant.formats import PackedWeight
 
-_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+_Q5_0_BYTES = 22  # fp16 d, 4 bytes qh (bit j: the fifth bit of value j), 16 bytes of nibbles as q4_0's
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -27,16 +29,25 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+# Gemma 3 norms around both blocks: llama.cpp's ffn_norm is its pre-feedforward norm there
+_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, arch: str = "llama") -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for tensors kvgrid skips."""
     stem, _, kind = name.rpartition(".")
     parts = stem.split(".")
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{kind}"
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{kind}"
     return None  # e.g. rope_freqs: kvgrid computes rotary tables itself
@@ -48,15 +59,32 @@ def unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
     return torch.arange(num_rows).view(num_heads, dim, 2).transpose(1, 2).reshape(-1)
 
 
+def q5_0_as_q8_0(data: torch.Tensor) -> torch.Tensor:
+    """ggml q5_0 blocks [N, B * 22] -> the same values as q8_0 blocks [N, B * 34].
+
+    q5_0's w = d (q - 16), q in 0..31, is q8_0's w = d q' with q' = q - 16 in int8 and the same fp16 d,
+    so the products (and gguf's dequantization) come out the same; a block takes 34 bytes, not 22, and
+    the q8_0 kernels do the products."""
+    rows = data.shape[0]
+    blocks = data.view(rows, -1, _Q5_0_BYTES)
+    qh = blocks[..., 2:6].contiguous().view(torch.int32).long()  # [N, B, 1], little-endian as stored
+    fifth = (qh >> torch.arange(32)) & 1  # [N, B, 32]
+    nibbles = blocks[..., 6:].long()
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1) | (fifth << 4)  # value j low halves, j + 16 high
+    values = (q - 16).to(torch.int8).view(torch.uint8)
+    return torch.cat([blocks[..., :2], values], dim=-1).reshape(rows, -1).contiguous()
+
+
 def read_gguf(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
     """(Hugging Face name, float tensor or PackedWeight) for every tensor kvgrid loads."""
     import gguf
 
     reader = gguf.GGUFReader(path)
     field = reader.fields.get("general.architecture")
-    permuted = field is not None and bytes(field.parts[field.data[0]]).decode() == "llama"
+    arch = "llama" if field is None else bytes(field.parts[field.data[0]]).decode()
+    permuted = arch == "llama"
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             continue
         kind = tensor.tensor_type.name
@@ -64,9 +92,15 @@ def read_gguf(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[st
         if fmt is not None and len(tensor.shape) == 2:
             rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dims innermost first
             value = PackedWeight(fmt, torch.from_numpy(np.array(tensor.data, copy=True)).view(rows, -1), cols)
+        elif kind == "Q5_0" and len(tensor.shape) == 2:
+            rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
+            raw = torch.from_numpy(np.array(tensor.data, copy=True)).view(rows, -1)
+            value = PackedWeight("q8_0", q5_0_as_q8_0(raw), cols)
         else:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             value = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+            if arch == "gemma3" and name.endswith("norm.weight"):
+                value -= 1  # llama.cpp stores Gemma's 1 + w; the model's RMSNorm adds the 1 (as transformers reads it)
         heads = num_heads if ".q_proj." in name else num_kv_heads if ".k_proj." in name else 0
         if permuted and heads:
             order = unpermute_rows(value.shape[0], heads)

@@ -13,7 +13,7 @@ import logging
 import torch
 from torch import nn
 
-from services.worker.quant.formats import PackedWeight, concat_rows, dequantize, quantize_int8
+from services.worker.quant.formats import PackedParts, PackedWeight, concat_rows, dequantize, quantize_int8
 from services.worker.quant.matmul import kernel_layout
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ def packed_bytes(model: nn.Module) -> int:
     return sum(m.packed.nbytes for m in packed_modules(model))
 
 
-def _give_up_float_weight(module: nn.Module, packed: PackedWeight) -> None:
+def _give_up_float_weight(module: nn.Module, packed: PackedWeight | PackedParts) -> None:
     weight = module.weight
     module.packed = kernel_layout(packed)  # the layout its products read
     module.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False)
@@ -36,19 +36,29 @@ def _give_up_float_weight(module: nn.Module, packed: PackedWeight) -> None:
 def install_gguf(model: nn.Module, parts: dict[str, list[tuple[int, PackedWeight]]]) -> None:
     """Packed checkpoint pieces by parameter name (fused ones by row offset) into their modules.
 
-    A fused weight whose pieces differ in format (a GGUF may store v in another type than q) is
-    dequantized into the float parameter instead, and the log says so."""
+    A fused weight whose pieces differ in format (a GGUF may store v in another type than q) keeps its
+    pieces as ``PackedParts``, runs of one format joined; one whose pieces do not cover it is dequantized
+    into the float parameter instead, and the log says so."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     for name, pieces in parts.items():
         pieces.sort(key=lambda piece: piece[0])
         param = params[name]
         rows = sum(p.shape[0] for _, p in pieces)
-        formats = {p.format for _, p in pieces}
-        if len(formats) == 1 and rows == param.shape[0]:
-            _give_up_float_weight(modules[name.removesuffix(".weight")], concat_rows([p for _, p in pieces]))
+        if rows == param.shape[0]:
+            runs: list[list[PackedWeight]] = []  # neighbouring pieces of one format
+            for _, piece in pieces:
+                if runs and runs[-1][0].format == piece.format:
+                    runs[-1].append(piece)
+                else:
+                    runs.append([piece])
+            joined = [concat_rows(run) for run in runs]
+            _give_up_float_weight(
+                modules[name.removesuffix(".weight")], joined[0] if len(joined) == 1 else PackedParts(joined)
+            )
             continue
-        log.info("%s: pieces in %s are dequantized (one packed format per matrix)", name, sorted(formats))
+        formats = sorted({p.format for _, p in pieces})
+        log.info("%s: pieces in %s do not cover it and are dequantized", name, formats)
         with torch.no_grad():
             for offset, piece in pieces:
                 param[offset : offset + piece.shape[0]].copy_(dequantize(piece))

@@ -32,7 +32,15 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.cpu_kernels.library import DTYPE_CODES, NativeKernelsUnavailable, load_quant
-from services.worker.quant.formats import FORMAT_CODES, PackedWeight, dequantize, reference_int8_gemm, tile, untile
+from services.worker.quant.formats import (
+    FORMAT_CODES,
+    PackedParts,
+    PackedWeight,
+    dequantize,
+    reference_int8_gemm,
+    tile,
+    untile,
+)
 from services.worker.setup.cpu_features import detect
 
 # Rows from which a float32 GEMM over a per-call dequantized copy beats the integer kernel: dequantizing costs the
@@ -46,9 +54,11 @@ DEQUANTIZE_ROWS = 100
 INT8_GEMM_ROWS = detect().int8_gemm_rows
 
 
-def kernel_layout(packed: PackedWeight) -> PackedWeight:
+def kernel_layout(packed: PackedWeight | PackedParts) -> PackedWeight | PackedParts:
     """The layout a model keeps for its products: tiled for the native kernel, the rows as stored for
-    the int8 GEMM, or both where the GEMM takes only the large steps."""
+    the int8 GEMM, or both where the GEMM takes only the large steps (each part's, for parts)."""
+    if isinstance(packed, PackedParts):
+        return PackedParts([kernel_layout(p) for p in packed.parts])
     if packed.format != "int8" or INT8_GEMM_ROWS is None:
         return tile(packed)
     if INT8_GEMM_ROWS <= 1:
@@ -107,8 +117,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def dequantize_rows(packed: PackedWeight, index: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_rows(packed: PackedWeight | PackedParts, index: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 rows ``index`` (all when None) of the packed matrix: [len(index), K]."""
+    if isinstance(packed, PackedParts):  # (whole matrices only: parts are never embedding tables)
+        return torch.cat([dequantize_rows(p) for p in packed.parts])
     lib = _native()
     if lib is None or not packed.tiled:  # (the native kernel reads the tiled layout)
         return dequantize(packed if index is None else packed.rows(index))
@@ -125,12 +137,18 @@ def dequantize_rows(packed: PackedWeight, index: torch.Tensor | None = None) -> 
 
 def linear_into(
     x: torch.Tensor,  # [M, K] float32 or bfloat16, contiguous
-    packed: PackedWeight,
+    packed: PackedWeight | PackedParts,
     bias: torch.Tensor | None,
     out: torch.Tensor,  # [M, >= N] of x's dtype, rows of any stride
     accumulate: bool = False,
 ) -> None:
-    """out[:, :N] (+)= x W^T + bias, on the int8 GEMM or the native kernel (decode steps take this directly)."""
+    """out[:, :N] (+)= x W^T + bias, on the int8 GEMM or the native kernel (decode steps take this directly);
+    parts each into their own columns."""
+    if isinstance(packed, PackedParts):
+        for start, part in zip(packed.offsets(), packed.parts, strict=True):
+            end = start + part.shape[0]
+            linear_into(x, part, None if bias is None else bias[start:end], out[:, start:end], accumulate)
+        return
     if _takes_int8_gemm(packed, x.shape[0]):
         int8_gemm_into(x, packed, bias, out, accumulate)
         return
@@ -145,8 +163,19 @@ def linear_into(
     )  # fmt: skip
 
 
-def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, packed: PackedWeight | PackedParts, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x W^T + bias in x's dtype, for any number of rows: [M, K] -> [M, N]."""
+    if isinstance(packed, PackedParts):
+        ends = [start + p.shape[0] for start, p in zip(packed.offsets(), packed.parts, strict=True)]
+        return torch.cat(
+            [
+                packed_linear(x, part, None if bias is None else bias[start:end])
+                for start, end, part in zip(packed.offsets(), ends, packed.parts, strict=True)
+            ],
+            dim=1,
+        )
     if _takes_int8_gemm(packed, x.shape[0]):
         out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
         int8_gemm_into(x.contiguous(), packed, bias, out)
