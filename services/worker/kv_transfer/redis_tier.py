@@ -4,9 +4,9 @@ Writes never stall a step: the step only copies the blocks to host memory and qu
 thread encodes them and sends them (SET NX: a key already there is left alone). When the queue is full
 (Redis slower than the saves), a batch is dropped and counted. A load sends MGETs of ``BLOCKS_PER_TRIP``
 blocks (256 tokens at block size 16) together in one pipeline, so a prompt's blocks come back in one
-round trip; the values are then checked (CRC-32, which zlib computes without the GIL) and copied into
-their cache blocks by a few threads at once. The first block that is missing or does not decode ends the
-load (the rest of the prompt is recomputed, overwriting whatever later blocks were copied).
+round trip; a few threads check the values at once (CRC-32, which zlib computes without the GIL), and
+the caller copies them into their cache blocks. The first block that is missing or does not decode ends
+the load (the rest of the prompt is recomputed).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 BLOCKS_PER_TRIP = 16
 MAX_QUEUED_BATCHES = 64
-MAX_LOAD_THREADS = 8
+MAX_CHECK_THREADS = 8
 
 
 class RedisTier:
@@ -48,7 +48,7 @@ class RedisTier:
         self._writer = threading.Thread(target=self._write_loop, name="kv-redis-writer", daemon=True)
         self._writer.start()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self._loaders = ThreadPoolExecutor(min(cores, MAX_LOAD_THREADS), "kv-redis-load")
+        self._checkers = ThreadPoolExecutor(min(cores, MAX_CHECK_THREADS), "kv-redis-check")
 
     def save(self, keys: list[str], blocks: torch.Tensor) -> bool:
         """Queue ``blocks`` [n, layers, 2, ...] (a CPU copy the caller no longer touches) under ``keys``."""
@@ -64,9 +64,9 @@ class RedisTier:
         """Wait until every queued block was sent (or failed)."""
         self._queue.join()
 
-    def load(self, keys: list[str], write: Callable[[int, torch.Tensor], None]) -> int:
-        """Hand block ``i`` of ``keys`` to ``write(i, block)`` for the longest prefix of ``keys`` that Redis holds
-        and that decodes as asked; returns that prefix's length (``write`` may also have had blocks past it)."""
+    def load(self, keys: list[str]) -> list[torch.Tensor]:
+        """The blocks of the longest prefix of ``keys`` that Redis holds and that decode as asked (views of the
+        values Redis sent)."""
         try:
             pipe = self.client.pipeline(transaction=False)
             for start in range(0, len(keys), BLOCKS_PER_TRIP):
@@ -75,25 +75,26 @@ class RedisTier:
         except Exception as exc:  # noqa: BLE001 - any client or connection error: recompute
             log.warning("redis KV tier: load failed (%s: %s); recomputing", type(exc).__name__, exc)
             self.on_failure("load")
-            return 0
+            return []
 
-        def check_and_write(i: int) -> str:
-            """ "" when block i was written, else why not."""
+        def check(i: int) -> torch.Tensor | str:
+            """Block i, or why it cannot be loaded."""
             if values[i] is None:
                 return "missing"
             try:
-                write(i, layout.decode(values[i], keys[i], self.namespace, self.block_shape, self.dtype))
+                return layout.decode(values[i], keys[i], self.namespace, self.block_shape, self.dtype)
             except layout.BadBlock as exc:
                 log.warning("redis KV tier: %s rejected (%s); recomputing", keys[i], exc)
                 self._delete(keys[i])
                 return "rejected"
-            return ""
 
-        for i, failure in enumerate(self._loaders.map(check_and_write, range(len(keys)))):
-            if failure:
-                self.on_failure(failure)
-                return i
-        return len(keys)
+        out: list[torch.Tensor] = []
+        for block in self._checkers.map(check, range(len(keys))):
+            if isinstance(block, str):
+                self.on_failure(block)
+                break
+            out.append(block)
+        return out
 
     def _delete(self, key: str) -> None:
         """A value that does not decode is dropped, so the block is written again once recomputed."""

@@ -116,12 +116,11 @@ class KvTransfer:
         remote = loads[num_loaded:]
         if remote:
             started = time.perf_counter()
-            num_remote = 0
-            if self.redis is not None:
-                keys = [load.redis_key for load in remote]
-                num_remote = self.redis.load(keys, lambda i, block: self.cache.write_block(remote[i].block_id, block))
-            self._observe("redis", num_remote, time.perf_counter() - started)
-            num_loaded += num_remote
+            blocks = self.redis.load([load.redis_key for load in remote]) if self.redis is not None else []
+            for load, block in zip(remote, blocks, strict=False):
+                self.cache.write_block(load.block_id, block)
+            self._observe("redis", len(blocks), time.perf_counter() - started)
+            num_loaded += len(blocks)
         if num_loaded == len(loads):
             return 0
         resume = (first + num_loaded) * bs
