@@ -142,7 +142,7 @@ def run_all(args: argparse.Namespace, redis_url: str) -> dict:
     for name, tiers in sides.items():
         print(f"{name}:", file=sys.stderr, flush=True)
         llm = make_llm(args, tiers, redis_url if tiers == "redis" else "")
-        chats = chats or conversations(args, llm.limits.vocab_size)
+        chats = chats or conversations(args, llm.front_door.limits.vocab_size)
         ttft, first = run_side(llm, chats)
         if tiers == "redis":
             llm.engine.core.kv_transfer.flush()

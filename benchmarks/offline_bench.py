@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from benchmarks.results import save  # noqa: E402
 from kvgrid import LLM, SamplingParams  # noqa: E402
 from kvgrid.cli import bench as serving_bench  # noqa: E402
-from kvgrid.cli.serve import is_serving  # noqa: E402
+from kvgrid.cli.probes import is_serving  # noqa: E402
 from services.common.default_model import default_model_path  # noqa: E402
 
 READY_TIMEOUT_S = 600

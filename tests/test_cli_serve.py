@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from kvgrid.cli import serve
-from kvgrid.cli.serve import RestartPolicy
+from kvgrid.cli import serve, supervision
+from kvgrid.cli.probes import is_serving
+from kvgrid.cli.supervision import Child, RestartPolicy
 from services.common import config as cfg
 from tests.procs import free_ports
 
@@ -98,11 +99,11 @@ def test_busy_zero_and_duplicate_ports_are_reported_before_anything_starts():
     assert "starting" not in proc.stdout
 
 
-def fake_children(ports: list[int], crash: str = "") -> list[serve.Child]:
+def fake_children(ports: list[int], crash: str = "") -> list[Child]:
     children = []
     for name, port in zip(serve.SERVICE_ORDER, ports, strict=True):
         code = "import sys; sys.exit(3)" if name == crash else FAKE_SERVICE
-        children.append(serve.Child(name, [sys.executable, "-c", code, str(port)], f"127.0.0.1:{port}"))
+        children.append(Child(name, [sys.executable, "-c", code, str(port)], f"127.0.0.1:{port}"))
     return children
 
 
@@ -110,7 +111,7 @@ def fake_children(ports: list[int], crash: str = "") -> list[serve.Child]:
 def signals(monkeypatch):
     monkeypatch.setattr(serve, "POLL_SECONDS", 0.1)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    handler = serve._Signals()
+    handler = supervision.Signals()
     yield handler
     for sig, old in previous.items():
         signal.signal(sig, old)
@@ -127,11 +128,11 @@ def supervise_then(after_ready, signals, monkeypatch) -> tuple[int, list]:
     monkeypatch.setattr(serve, "print_ready", announce_then_act)
     children = fake_children(free_ports(3))
     for child in children:
-        serve.start(child)
+        supervision.start(child)
     try:
         return serve.supervise(parse(["--host", "127.0.0.1"]), children, signals), children
     finally:
-        serve.stop_all(children)
+        supervision.stop_all(children)
 
 
 @pytest.mark.timeout(120)
@@ -147,11 +148,11 @@ def test_ready_then_sigterm_stops_every_child(signals, capsys, monkeypatch):
 def test_a_child_that_dies_at_startup_stops_the_others(signals, capsys):
     children = fake_children(free_ports(3), crash="scheduler")
     for child in children:
-        serve.start(child)
+        supervision.start(child)
     try:
         assert serve.supervise(parse([]), children, signals) == 1
     finally:
-        serve.stop_all(children)
+        supervision.stop_all(children)
     assert "start-up failed: the scheduler exited with code 3" in capsys.readouterr().out
     assert all(c.process.poll() is not None for c in children)
 
@@ -166,7 +167,7 @@ def test_a_child_that_dies_after_ready_is_restarted(signals, capsys, monkeypatch
             old = worker.process
             old.kill()
             deadline = time.monotonic() + 60
-            while worker.process is old or not serve.is_serving(worker.grpc_addr):
+            while worker.process is old or not is_serving(worker.grpc_addr):
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
@@ -275,3 +276,26 @@ def test_ready_message_prints_the_command_that_works_as_pasted(tmp_path, monkeyp
     assert '    .venv/bin/kvgrid generate "What is the capital of France?" --addr 127.0.0.1:50051' in (
         capsys.readouterr().out.splitlines()
     )
+
+
+def test_api_server_count_makes_frontends_that_stop_together_and_share_metrics(tmp_path):
+    config = serve.child_config(parse(["--api-server-count", "3"]))
+    children = serve.build_children(config)
+    assert [c.name for c in children] == ["worker", "scheduler", "tokenizer-1", "tokenizer-2", "tokenizer-3"]
+    assert [[c.name for c in stage] for stage in supervision.stages(children)][-1] == [
+        "tokenizer-1",
+        "tokenizer-2",
+        "tokenizer-3",
+    ]
+    assert "--api-server-count" in children[2].argv and children[2].argv == children[4].argv
+    made = serve.share_frontend_metrics(children, environ={})
+    try:
+        assert made and os.path.isdir(made)
+        assert {c.env.get("PROMETHEUS_MULTIPROC_DIR") for c in children} == {None, made}
+    finally:
+        os.rmdir(made)
+    own = serve.build_children(config)
+    assert serve.share_frontend_metrics(own, environ={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}) == ""
+    assert own[3].env["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path)
+    single = serve.build_children(serve.child_config(parse([])))
+    assert [c.name for c in single][-1] == "tokenizer" and serve.share_frontend_metrics(single, environ={}) == ""

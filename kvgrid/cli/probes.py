@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import http.client
+import os
 import socket
 import ssl
 from collections.abc import Callable
@@ -67,3 +68,32 @@ def readiness_probe(
     if name == PUBLIC_SERVICE and security.tls_cert_file:
         return functools.partial(port_open if security.tls_ca_file else https_health, *http_addr)
     return None
+
+
+TCP_LISTEN = "0A"  # the st column of /proc/net/tcp for a listening socket
+
+
+def listens(pid: int, ports: tuple[int, ...]) -> bool:
+    """Process ``pid`` holds a listening TCP socket on each of ``ports`` (Linux /proc). The way to ask one of
+    several processes sharing a port (SO_REUSEPORT): a connection to the port reaches any of them."""
+    try:
+        owned = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed meanwhile
+                continue
+            if target.startswith("socket:["):
+                owned.add(target[len("socket:[") : -1])
+        found = set()
+        for table in ("tcp", "tcp6"):
+            with open(f"/proc/{pid}/net/{table}") as f:
+                next(f)  # the header
+                for line in f:
+                    cols = line.split()
+                    port = int(cols[1].rsplit(":", 1)[1], 16)
+                    if cols[3] == TCP_LISTEN and cols[9] in owned and port in ports:
+                        found.add(port)
+    except OSError:  # gone, or no /proc
+        return False
+    return found == set(ports)

@@ -8,7 +8,9 @@ dies after that is restarted with backoff (a worker's requests wait for it in th
 scheduler); one that keeps dying (see ``RestartPolicy``) stops the stack with exit
 code 1, as does any child dying during start-up. Ctrl-C or SIGTERM drains in
 order: the frontend first (its streams finish within --shutdown-grace), then the
-scheduler, then the worker.
+scheduler, then the worker. With ``--api-server-count N`` the frontend is N processes
+sharing the public ports; each is a child of its own (restarted alone), and they drain
+together (``kvgrid.cli.supervision``).
 
 Only the frontend's ports face the network (`--host`): the scheduler, the worker and
 their metrics listen on 127.0.0.1, since on one machine only the frontend calls them.
@@ -27,61 +29,37 @@ own OpenMP settings win.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shlex
 import shutil
-import signal
 import socket
-import subprocess
 import sys
-import threading
+import tempfile
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 
-from kvgrid.cli.probes import INTERNAL_SERVICES, PUBLIC_SERVICE, is_serving, readiness_probe
+from kvgrid.cli.probes import INTERNAL_SERVICES, PUBLIC_SERVICE, listens, readiness_probe
+from kvgrid.cli.supervision import (
+    Child,
+    Signals,
+    child_serving,
+    describe_exit,
+    first_exited,
+    restart_crashed,
+    say,
+    start,
+    stop_all,
+)
 from services.common import config as cfg
+from services.common.metrics import MULTIPROC_DIR
 
 # Order of start-up and of the summary; shutdown runs in reverse (frontend first).
 SERVICE_ORDER = ("worker", "scheduler", "tokenizer")
 # The services only the frontend calls (INTERNAL_SERVICES) listen on loopback, whatever --host is.
 INTERNAL_HOST = "127.0.0.1"
 INTERNAL_PORTS = ("scheduler_port", "scheduler_metrics_port", "worker_port", "worker_metrics_port")
-# Beyond its --shutdown-grace, how long a stopping child may take to close before it is killed.
-STOP_MARGIN_SECONDS = 10.0
 POLL_SECONDS = 0.5
-
-
-# Restarts: exponential backoff, and a limit on crashes in a window.
-FIRST_BACKOFF_S = 1.0
-MAX_BACKOFF_S = 30.0
-# More crashes than this within the window stop the stack: a child that keeps dying needs a person.
-MAX_CRASHES = 5
-WINDOW_S = 120.0
-
-
-@dataclass(slots=True)
-class RestartPolicy:
-    first_backoff: float = FIRST_BACKOFF_S
-    max_backoff: float = MAX_BACKOFF_S
-    max_crashes: int = MAX_CRASHES
-    window: float = WINDOW_S
-    _crashes: deque[float] = field(default_factory=deque)
-
-    def crashed(self, now: float) -> float | None:
-        """Record a crash at ``now``; the seconds to wait before restarting, or None when it crashed too often."""
-        self._crashes.append(now)
-        while self._crashes and now - self._crashes[0] > self.window:
-            self._crashes.popleft()
-        if len(self._crashes) > self.max_crashes:
-            return None
-        return min(self.first_backoff * 2 ** (len(self._crashes) - 1), self.max_backoff)
-
-    @property
-    def num_recent(self) -> int:
-        return len(self._crashes)
-
 
 SPIN = "300000"  # libgomp spin iterations (its default), set explicitly so the arrangement does not depend on the build
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -100,24 +78,6 @@ def worker_arrangement(num_threads: int, num_cores: int, environ: Mapping[str, s
         f"worker: {threads} threads sharing {num_cores} cores with frontend and scheduler;"
         f" idle threads spin through a step's gaps, then sleep (GOMP_SPINCOUNT={SPIN})",
     )
-
-
-@dataclass(slots=True)
-class Child:
-    name: str
-    argv: list[str]
-    grpc_addr: str
-    process: subprocess.Popen | None = None
-    restarts: RestartPolicy = field(default_factory=RestartPolicy)
-    # When a crashed child is due to start again (monotonic seconds); None while it runs.
-    restart_at: float | None = None
-    env: dict[str, str] | None = None  # added to serve's own environment
-    # Whether the child reports SERVING (default: the plaintext gRPC health check of grpc_addr).
-    probe: Callable[[], bool] | None = None
-
-
-def _say(text: str) -> None:
-    print(f"kvgrid serve: {text}", flush=True)
 
 
 def dial_host(host: str) -> str:
@@ -191,6 +151,7 @@ def service_env(name: str, config: cfg.Config, environ: Mapping[str, str] = os.e
 
 
 def build_children(config: cfg.Config) -> list[Child]:
+    """Worker, scheduler, then the frontend, or ``--api-server-count`` frontends named tokenizer-1, tokenizer-2, …"""
     net = config.network
     public = f"{dial_host(net.host)}:{net.tokenizer_port}"
     addrs = {
@@ -198,13 +159,41 @@ def build_children(config: cfg.Config) -> list[Child]:
         "scheduler": f"{INTERNAL_HOST}:{net.scheduler_port}",
         "tokenizer": public,
     }
+    http_addr = (dial_host(net.host).strip("[]"), net.http_port)
+    num_frontends = config.http.api_server_count if config.http is not None else 1
     children = []
     for name in SERVICE_ORDER:
-        child = Child(name, service_argv(name, config), addrs[name], env=service_env(name, config))
-        http_addr = (dial_host(net.host).strip("[]"), net.http_port)
-        child.probe = readiness_probe(name, config.security, addrs[name], http_addr)
-        children.append(child)
+        argv, env = service_argv(name, config), service_env(name, config)
+        probe = readiness_probe(name, config.security, addrs[name], http_addr)
+        if name != PUBLIC_SERVICE or num_frontends == 1:
+            children.append(Child(name, argv, addrs[name], env=env, probe=probe))
+            continue
+        for i in range(1, num_frontends + 1):
+            frontend = Child(f"{name}-{i}", argv, addrs[name], env=dict(env), stage=name)
+            # Each of them listens only once it serves (services.tokenizer.server), and a connection to the shared
+            # ports reaches any of them: so ask the process itself whether it listens.
+            frontend.probe = functools.partial(_frontend_listens, frontend, (net.tokenizer_port, net.http_port))
+            children.append(frontend)
     return children
+
+
+def _frontend_listens(child: Child, ports: tuple[int, int]) -> bool:
+    return child.process is not None and listens(child.process.pid, ports)
+
+
+def share_frontend_metrics(children: list[Child], environ: Mapping[str, str] = os.environ) -> str:
+    """Several frontends: one /metrics answer for all of them, whichever answers the scrape (prometheus-client's
+    multiprocess mode, in ``PROMETHEUS_MULTIPROC_DIR``: the user's, or a fresh directory). Returns the directory
+    serve made and must remove, or ""."""
+    frontends = [c for c in children if c.stage == PUBLIC_SERVICE]
+    if len(frontends) < 2:
+        return ""
+    made = "" if environ.get(MULTIPROC_DIR) else tempfile.mkdtemp(prefix="kvgrid-frontend-metrics-")
+    directory = made or environ[MULTIPROC_DIR]
+    for child in frontends:
+        child.env = {**(child.env or {}), MULTIPROC_DIR: directory}
+    say(f"{len(frontends)} frontends share the public ports; their /metrics sums them all (files in {directory})")
+    return made
 
 
 def arrange_worker_threads(config: cfg.Config, worker: Child) -> None:
@@ -212,7 +201,7 @@ def arrange_worker_threads(config: cfg.Config, worker: Child) -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     env, line = worker_arrangement(config.device.num_threads, cores, os.environ)
     worker.env = {**(worker.env or {}), **env}
-    _say(line)
+    say(line)
 
 
 def port_problems(net: cfg.NetworkConfig) -> list[str]:
@@ -245,53 +234,6 @@ def _port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM if serve itself dies (Linux), so no service is orphaned."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def start(child: Child) -> None:
-    # A new session: a terminal's Ctrl-C reaches serve only, which then stops the children in order.
-    env = {**os.environ, **child.env} if child.env else None
-    child.process = subprocess.Popen(child.argv, start_new_session=True, preexec_fn=_die_with_parent, env=env)
-
-
-def child_serving(child: Child) -> bool:
-    return child.probe() if child.probe is not None else is_serving(child.grpc_addr)
-
-
-def first_exited(children: list[Child]) -> Child | None:
-    return next((c for c in children if c.process and c.process.poll() is not None), None)
-
-
-def stop_all(children: list[Child], grace: float = 0.0) -> None:
-    """Stop the children one at a time in reverse start order (frontend, scheduler, worker): SIGTERM, then up
-    to ``grace`` (their --shutdown-grace) plus a margin to exit before SIGKILL. The frontend finishes its streams
-    before the scheduler is told to stop, and the scheduler its requests before the worker is."""
-    timeout = grace + STOP_MARGIN_SECONDS
-    for child in reversed(children):
-        if not child.process or child.process.poll() is not None:
-            continue
-        _say(f"stopping the {child.name} (pid {child.process.pid})")
-        child.process.send_signal(signal.SIGTERM)
-        try:
-            child.process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _say(f"the {child.name} did not stop within {timeout:g}s; killing it")
-            child.process.kill()
-            child.process.wait()
-
-
-def _describe_exit(child: Child) -> str:
-    code = child.process.returncode
-    how = f"was killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-    return f"the {child.name} {how}"
 
 
 def kvgrid_command(executable: str | None = None, path: str | None = None, cwd: str | None = None) -> str:
@@ -331,15 +273,15 @@ def print_ready(config: cfg.Config, children: list[Child]) -> None:
         + (["API key required"] if keyed else ["no API key"])
     )
     internal = "mutual TLS" if security.internal_tls_ca else "plaintext"
-    _say(f"model {config.model.name} ({config.model.dtype})")
-    _say(f"  public API   kvgrid.v1.TextGeneration  grpc{'s' if tls else ''}://{public}  ({guard}; reflection on)")
+    say(f"model {config.model.name} ({config.model.dtype})")
+    say(f"  public API   kvgrid.v1.TextGeneration  grpc{'s' if tls else ''}://{public}  ({guard}; reflection on)")
     http = f"http{'s' if tls else ''}://{host}:{net.http_port}"
-    _say(f"  OpenAI API   {http}/v1  (base URL for OpenAI clients; /tokenize, /detokenize)")
-    _say(f"  HTTP         {http}/health  {http}/metrics")
+    say(f"  OpenAI API   {http}/v1  (base URL for OpenAI clients; /tokenize, /detokenize)")
+    say(f"  HTTP         {http}/health  {http}/metrics")
     for name, service, port in (("scheduler", "Scheduler", net.scheduler_port), ("worker", "Worker", net.worker_port)):
-        _say(f"  {name:<12} kvgrid.v1.{service:<16}grpc://{INTERNAL_HOST}:{port}  (loopback only; {internal})")
+        say(f"  {name:<12} kvgrid.v1.{service:<16}grpc://{INTERNAL_HOST}:{port}  (loopback only; {internal})")
     pids = ", ".join(f"{c.name} pid {c.process.pid}" for c in children)
-    _say(f"ready ({pids}). Try:")
+    say(f"ready ({pids}). Try:")
     ca = " --ca-file CA.pem" if tls else ""
     if keyed:
         print("    export KVGRID_API_KEY=...  # one of the keys given to --api-key, for the clients below", flush=True)
@@ -354,68 +296,33 @@ def print_ready(config: cfg.Config, children: list[Child]) -> None:
         flush=True,
     )
     if tls:
-        _say("CA.pem: the CA that signed --tls-cert-file")
-    _say("Ctrl-C stops all three services")
+        say("CA.pem: the CA that signed --tls-cert-file")
+    say("Ctrl-C stops all three services")
 
 
-class _Signals:
-    """SIGINT/SIGTERM set a flag; the supervision loop polls it."""
-
-    def __init__(self):
-        self.received = threading.Event()
-        self.name = ""
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame) -> None:
-        self.name = signal.Signals(signum).name
-        self.received.set()
-
-
-def supervise(config: cfg.Config, children: list[Child], signals: _Signals) -> int:
+def supervise(config: cfg.Config, children: list[Child], signals: Signals) -> int:
     """Wait for health, announce readiness, then run until a signal (0) or a child's death (1)."""
     pending = list(children)
     announced_wait = time.monotonic()
     while pending:
         if signals.received.wait(POLL_SECONDS):
-            _say(f"{signals.name} during start-up; stopping")
+            say(f"{signals.name} during start-up; stopping")
             return 1
         dead = first_exited(children)
         if dead:
-            _say(f"start-up failed: {_describe_exit(dead)}; see its log above")
+            say(f"start-up failed: {describe_exit(dead)}; see its log above")
             return 1
         pending = [c for c in pending if not child_serving(c)]
         if pending and time.monotonic() - announced_wait > 15:
-            _say("waiting for " + ", ".join(c.name for c in pending) + " to report SERVING")
+            say("waiting for " + ", ".join(c.name for c in pending) + " to report SERVING")
             announced_wait = time.monotonic()
     print_ready(config, children)
     while True:
         if signals.received.wait(POLL_SECONDS):
-            _say(f"{signals.name} received; draining the tokenizer, then stopping the scheduler and the worker")
+            say(f"{signals.name} received; draining the frontend, then stopping the scheduler and the worker")
             return 0
         if not restart_crashed(children, time.monotonic()):
             return 1
-
-
-def restart_crashed(children: list[Child], now: float) -> bool:
-    """Schedule a restart for each child that died, start those that are due; False when one crashed too often."""
-    for child in children:
-        if child.restart_at is None and child.process.poll() is not None:
-            delay = child.restarts.crashed(now)
-            if delay is None:
-                policy = child.restarts
-                _say(
-                    f"{_describe_exit(child)}: {policy.num_recent} exits within {policy.window:g}s, "
-                    "so it is not restarted again; stopping the stack (see its log above)"
-                )
-                return False
-            _say(f"{_describe_exit(child)}; restarting it in {delay:g}s (see its log above)")
-            child.restart_at = now + delay
-        elif child.restart_at is not None and now >= child.restart_at:
-            child.restart_at = None
-            start(child)
-            _say(f"restarted the {child.name} (pid {child.process.pid})")
-    return True
 
 
 def main(config: cfg.Config) -> int:
@@ -431,13 +338,16 @@ def main(config: cfg.Config) -> int:
         print(f"kvgrid serve: {e}", file=sys.stderr)
         return 1
     arrange_worker_threads(config, children[SERVICE_ORDER.index("worker")])
-    signals = _Signals()
-    _say(f"starting {', '.join(SERVICE_ORDER)} (pid {os.getpid()})")
+    metrics_dir = share_frontend_metrics(children)
+    signals = Signals()
+    say(f"starting {', '.join(c.name for c in children)} (pid {os.getpid()})")
     try:
         for child in children:
             start(child)
         code = supervise(config, children, signals)
     finally:
         stop_all(children, config.lifecycle.shutdown_grace)
-    _say("stopped" if code == 0 else "stopped after an error")
+        if metrics_dir:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+    say("stopped" if code == 0 else "stopped after an error")
     return code

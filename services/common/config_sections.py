@@ -332,7 +332,14 @@ class SecurityConfig:
 
 @dataclass(slots=True)
 class HttpConfig:
-    """The frontend's HTTP server: how long a connection may idle or take over its headers, and how many it holds."""
+    """The frontend's public servers: how many processes share its ports, and for HTTP how long a connection may
+    idle or take over its headers, and how many it holds."""
+
+    api_server_count: int = _opt(
+        1,
+        "frontend processes sharing the public gRPC and HTTP ports (SO_REUSEPORT), each with its own link to the "
+        "schedulers: `kvgrid serve` starts this many; a `kvgrid tokenizer` given more than 1 joins such a group",
+    )
 
     http_keep_alive_timeout: float = _opt(5.0, "seconds an idle keep-alive HTTP connection stays open")
     http_header_timeout: float = _opt(
@@ -348,6 +355,8 @@ class HttpConfig:
 
     def validate(self) -> list[str]:
         errors = []
+        if self.api_server_count < 1:
+            errors.append(f"--api-server-count must be >= 1, got {self.api_server_count}")
         for name in ("http_keep_alive_timeout", "http_header_timeout"):
             if not getattr(self, name) > 0:
                 errors.append(f"--{_flag(name)} must be > 0, got {getattr(self, name)}")

@@ -9,7 +9,9 @@ task-safe; handlers update them directly.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, start_http_server
 
 # LLM latencies span milliseconds (a decode step) to minutes (a long generation).
 TTFT_BUCKETS = (
@@ -125,3 +127,17 @@ class ServiceMetrics:
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Serve /metrics on its own HTTP port (scheduler and worker)."""
         start_http_server(port, addr=host, registry=self.registry)
+
+
+MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def exposition_registry(registry: CollectorRegistry) -> CollectorRegistry:
+    """What /metrics shows: ``registry``, or with ``PROMETHEUS_MULTIPROC_DIR`` set (prometheus-client's
+    multiprocess mode: every process of a group writes its series to files there) the sums over every process
+    that ever wrote there, so one scrape of a shared port gives the group's totals whichever process answers."""
+    if not os.environ.get(MULTIPROC_DIR):
+        return registry
+    combined = CollectorRegistry()
+    multiprocess.MultiProcessCollector(combined)
+    return combined

@@ -26,18 +26,22 @@ CHANNEL_OPTIONS = [
 ]
 SERVER_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.so_reuseport", 0),
 ]
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def new_server(interceptors=(), max_receive_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+def new_server(
+    interceptors=(), max_receive_bytes: int = MAX_MESSAGE_BYTES, reuse_port: bool = False
+) -> grpc.aio.Server:
     """A server whose unparsable requests answer INVALID_ARGUMENT (see ``unparsable``); a request larger than
-    ``max_receive_bytes`` is refused RESOURCE_EXHAUSTED before it is parsed."""
+    ``max_receive_bytes`` is refused RESOURCE_EXHAUSTED before it is parsed. ``reuse_port``: the port is shared
+    with other processes that bind it the same way (SO_REUSEPORT: the kernel spreads new connections over them);
+    without it (gRPC's own default is on) a second server on a taken port fails to bind."""
     options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
     options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    options.append(("grpc.so_reuseport", int(reuse_port)))
     return grpc.aio.server(options=options, interceptors=[UnparsableRequests(), *interceptors])
 
 

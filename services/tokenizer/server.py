@@ -14,6 +14,7 @@ from kvgrid.v1 import generate_pb2_grpc
 from services.common.auth import ApiKeyInterceptor, ApiKeys
 from services.common.config import Config, HttpConfig, LimitsConfig, RoutingConfig, SecurityConfig
 from services.common.logs import setup_logging
+from services.common.metrics import exposition_registry
 from services.common.server import Health, add_reflection, bind, new_server, shutdown_requested
 from services.common.tls import (
     describe_internal,
@@ -89,33 +90,49 @@ async def start_tokenizer(
     if tokenizer is None and config.model.tokenizer:
         tokenizer = load_tokenizer(config.model.tokenizer)
         log.info("tokenizer loaded from %s", config.model.tokenizer)
+    http_config = config.http or HttpConfig()
+    shared = http_config.api_server_count > 1  # one of a group of processes on the same ports
     metrics = TokenizerMetrics(config.model.name)
     interceptors = [ApiKeyInterceptor(keys)] if keys is not None else []
-    server = new_server(interceptors, max_receive_bytes=limits.max_request_bytes)
+    server = new_server(interceptors, max_receive_bytes=limits.max_request_bytes, reuse_port=shared)
     health = Health(server, [SERVICE_NAME])
     routing = config.routing or RoutingConfig()
     addrs = config.network.scheduler_addr_list()
+    serving = asyncio.Event()
+
+    def on_change(up: bool) -> None:
+        health.set(up)
+        serving.set() if up else serving.clear()
+
     state = ModelState(
         ", ".join(addrs),
         tokenizer=tokenizer,
         served_model_name=config.model.served_model_name,
-        on_change=health.set,
+        on_change=on_change,
         max_prompt_chars=limits.max_prompt_chars,
     )
     engine = Router(addrs, state, routing, internal)
     generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state, engine, metrics), server)
     add_reflection(server, [SERVICE_NAME])
-    bound = bind(server, config.network.host, port, public)
     guards = HttpGuards(keys, security.metrics_require_key, limits.max_request_bytes)
-    app = build_app(OpenAIServing(state, engine, metrics), metrics.registry, lambda: state.serving, guards)
-    http = HttpServer(app, config.http or HttpConfig(), uvicorn_ssl_options(security))
+    registry = exposition_registry(metrics.registry)
+    app = build_app(OpenAIServing(state, engine, metrics), registry, lambda: state.serving, guards)
+    http = HttpServer(app, http_config, uvicorn_ssl_options(security))
+    if shared:
+        # A process joins the group's ports only once it can serve: the kernel hands a listening socket its share of
+        # new connections at once, and a (re)starting process would refuse them until its scheduler link is up.
+        await engine.start()
+        log.info("one of %d frontends on shared ports: listening once serving", http_config.api_server_count)
+        await serving.wait()
+    bound = bind(server, config.network.host, port, public)
     await server.start()
     try:
-        bound_http = await http.start(config.network.host, http_port)
+        bound_http = await http.start(config.network.host, http_port, reuse_port=shared)
     except OSError:
         await server.stop(None)
         raise
-    await engine.start()
+    if not shared:
+        await engine.start()
     if keys is None:
         auth = "no API key: open to every client"
     else:

@@ -45,6 +45,7 @@ class Stack:
     ports: dict[str, int] = field(default_factory=dict)
     process: subprocess.Popen | None = None
     child_pids: dict[str, int] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # added to serve's environment
 
     @property
     def addr(self) -> str:
@@ -60,7 +61,7 @@ class Stack:
         for flag, port in self.ports.items():
             argv += [flag, str(port)]
         log = self.log_path.open("w")
-        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env())
+        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**child_env(), **self.env})
         log.close()
         return self
 
@@ -73,7 +74,7 @@ class Stack:
             text = self.log()
             match = re.search(r"kvgrid serve: ready \(([^)]*)\)", text)
             if match:
-                self.child_pids = {m[0]: int(m[1]) for m in re.findall(r"(\w+) pid (\d+)", match.group(1))}
+                self.child_pids = {m[0]: int(m[1]) for m in re.findall(r"([\w-]+) pid (\d+)", match.group(1))}
                 return self
             if self.process.poll() is not None:
                 raise RuntimeError(f"kvgrid serve exited with {self.process.returncode}:\n{text[-6000:]}")

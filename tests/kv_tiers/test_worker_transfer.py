@@ -1,5 +1,5 @@
 """The byte-moving half: a stored block reads back only as exactly the block asked for (anything else is rejected,
-never loaded), blocks move whole across layers, and a plan asking for moves the worker cannot do is refused."""
+never loaded), and a plan asking for moves the worker cannot do is refused."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 from kvgrid.v1 import worker_pb2
 from services.common.errors import InvalidArgument
 from services.worker.kv_transfer import HostTier, KvTransfer, layout
-from services.worker.kv_transfer.blocks import block_shape, gather, scatter
 
 SHAPE = (2, 2, 4, 2, 8)  # [layers, K/V, block_size, kv_heads, head_dim]
 KEY, NS = "kvgrid:kv:ab12", "m|float32|bs=4|bytes=1024|layout=1"
@@ -45,17 +44,6 @@ def test_a_value_that_is_not_the_block_asked_for_is_rejected(mangle, reads_as, m
     value = layout.encode(KEY, NS, torch.randn(SHAPE))
     with pytest.raises(layout.BadBlock, match=match):
         layout.decode(mangle(value), *reads_as)
-
-
-def test_gather_and_scatter_move_whole_blocks_across_layers():
-    caches = [(torch.randn(6, 4, 2, 8), torch.randn(6, 4, 2, 8)) for _ in range(2)]
-    assert block_shape(caches) == SHAPE
-    moved = gather(caches, [4, 1])
-    assert torch.equal(moved[1, 1, 0], caches[1][1][4]) and torch.equal(moved[0, 0, 1], caches[0][0][1])
-    before = [(k.clone(), v.clone()) for k, v in caches]
-    scatter(caches, [0, 5], moved)
-    for (k, v), (k0, v0) in zip(caches, before, strict=True):
-        assert torch.equal(k[0], k0[4]) and torch.equal(v[5], v0[1]) and torch.equal(k[2], k0[2])
 
 
 @pytest.mark.parametrize(

@@ -83,11 +83,14 @@ class HttpServer:
         self._task: asyncio.Task | None = None
         self.port = 0
 
-    async def start(self, host: str, port: int) -> int:
-        """Bind (port 0 picks a free one) and serve; returns the bound port. Raises OSError when taken."""
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Bind (port 0 picks a free one) and serve; returns the bound port. Raises OSError when taken, unless
+        ``reuse_port`` and every process on it binds with SO_REUSEPORT (then they share its connections)."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((host, port))
         except OSError:

@@ -1,4 +1,5 @@
-"""The host-memory KV tier: ``num_slots`` block-sized slots in (pinned, on CUDA) host memory.
+"""The host-memory KV tier: ``num_slots`` block-sized slots in (pinned, on CUDA) host memory, laid out like the cache
+([layers, 2, num_slots, ...]) so that a run of blocks moves with one copy each way (``blocks.CacheBlocks``).
 
 The scheduler owns the slot map (``services.scheduler.kv_tiers.HostIndex``); this only copies.
 """
@@ -8,12 +9,12 @@ from __future__ import annotations
 import torch
 
 from services.worker.kv_cache import lazily_zeroed
-from services.worker.kv_transfer.blocks import KvCaches, block_shape, gather, scatter
+from services.worker.kv_transfer.blocks import CacheBlocks, KvCaches, block_shape
 
 
 class HostTier:
     def __init__(self, kv_caches: KvCaches, num_slots: int):
-        self.kv_caches = kv_caches
+        self.cache = CacheBlocks(kv_caches)
         layers, two, *rest = block_shape(kv_caches)
         k0 = kv_caches[0][0]
         shape = (layers, two, num_slots, *rest)  # [layers, 2, num_slots, block_size, kv_heads, head_dim]
@@ -30,9 +31,8 @@ class HostTier:
         return self.slots.shape[2]
 
     def save(self, block_ids: list[int], slots: list[int]) -> None:
-        index = torch.tensor(slots, dtype=torch.int64)
-        self.slots.index_copy_(2, index, gather(self.kv_caches, block_ids).cpu())
+        # Queued behind this step's earlier device work and ahead of the forward pass that may overwrite the blocks.
+        self.cache.read(block_ids, self.slots, slots, non_blocking=True)
 
     def load(self, slots: list[int], block_ids: list[int]) -> None:
-        index = torch.tensor(slots, dtype=torch.int64)
-        scatter(self.kv_caches, block_ids, self.slots.index_select(2, index))
+        self.cache.write(block_ids, self.slots, slots, non_blocking=True)

@@ -27,8 +27,8 @@ class BadBlock(ValueError):
 
 
 def encode(key: str, namespace: str, block: torch.Tensor) -> bytes:
-    """``block``: a CPU tensor [layers, 2, block_size, kv_heads, head_dim]."""
-    payload = block.contiguous().view(torch.uint8).numpy().tobytes()
+    """``block``: a CPU tensor [layers, 2, block_size, kv_heads, head_dim]; copied once, into the value."""
+    payload = block.contiguous().view(torch.uint8).reshape(-1).numpy()
     header = json.dumps(
         {
             "key": key,

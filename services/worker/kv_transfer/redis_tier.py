@@ -1,18 +1,22 @@
-"""The shared Redis KV tier, worker side: one key per block, written in the background, read in batches.
+"""The shared Redis KV tier, worker side: one key per block, written in the background, read in one pipelined trip.
 
 Writes never stall a step: the step only copies the blocks to host memory and queues them; a writer
 thread encodes them and sends them (SET NX: a key already there is left alone). When the queue is full
-(Redis slower than the saves), a batch is dropped and counted. Reads go in MGET round trips of
-``BLOCKS_PER_TRIP`` blocks (256 tokens at block size 16); the first block that is missing or does not
-decode ends the load (the rest of the prompt is recomputed).
+(Redis slower than the saves), a batch is dropped and counted. A load sends MGETs of ``BLOCKS_PER_TRIP``
+blocks (256 tokens at block size 16) together in one pipeline, so a prompt's blocks come back in one
+round trip; a few threads check the values at once (CRC-32, which zlib computes without the GIL), and
+the caller copies them into their cache blocks. The first block that is missing or does not decode ends
+the load (the rest of the prompt is recomputed).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -23,6 +27,7 @@ log = logging.getLogger(__name__)
 
 BLOCKS_PER_TRIP = 16
 MAX_QUEUED_BATCHES = 64
+MAX_CHECK_THREADS = 8
 
 
 class RedisTier:
@@ -42,9 +47,11 @@ class RedisTier:
         self._queue: queue.Queue = queue.Queue(MAX_QUEUED_BATCHES)
         self._writer = threading.Thread(target=self._write_loop, name="kv-redis-writer", daemon=True)
         self._writer.start()
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self._checkers = ThreadPoolExecutor(min(cores, MAX_CHECK_THREADS), "kv-redis-check")
 
     def save(self, keys: list[str], blocks: torch.Tensor) -> bool:
-        """Queue ``blocks`` [layers, 2, n, ...] (a CPU copy the caller no longer touches) under ``keys``."""
+        """Queue ``blocks`` [n, layers, 2, ...] (a CPU copy the caller no longer touches) under ``keys``."""
         try:
             self._queue.put_nowait((keys, blocks))
             return True
@@ -58,27 +65,35 @@ class RedisTier:
         self._queue.join()
 
     def load(self, keys: list[str]) -> list[torch.Tensor]:
-        """The blocks of the longest prefix of ``keys`` that Redis holds and that decode as asked."""
-        out: list[torch.Tensor] = []
-        for start in range(0, len(keys), BLOCKS_PER_TRIP):
-            trip = keys[start : start + BLOCKS_PER_TRIP]
+        """The blocks of the longest prefix of ``keys`` that Redis holds and that decode as asked (views of the
+        values Redis sent)."""
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for start in range(0, len(keys), BLOCKS_PER_TRIP):
+                pipe.mget(keys[start : start + BLOCKS_PER_TRIP])
+            values = [value for trip in pipe.execute() for value in trip]
+        except Exception as exc:  # noqa: BLE001 - any client or connection error: recompute
+            log.warning("redis KV tier: load failed (%s: %s); recomputing", type(exc).__name__, exc)
+            self.on_failure("load")
+            return []
+
+        def check(i: int) -> torch.Tensor | str:
+            """Block i, or why it cannot be loaded."""
+            if values[i] is None:
+                return "missing"
             try:
-                values = self.client.mget(trip)
-            except Exception as exc:  # noqa: BLE001 - any client or connection error: recompute
-                log.warning("redis KV tier: load failed (%s: %s); recomputing", type(exc).__name__, exc)
-                self.on_failure("load")
-                return out
-            for key, value in zip(trip, values, strict=True):
-                if value is None:
-                    self.on_failure("missing")
-                    return out
-                try:
-                    out.append(layout.decode(value, key, self.namespace, self.block_shape, self.dtype))
-                except layout.BadBlock as exc:
-                    log.warning("redis KV tier: %s rejected (%s); recomputing", key, exc)
-                    self.on_failure("rejected")
-                    self._delete(key)
-                    return out
+                return layout.decode(values[i], keys[i], self.namespace, self.block_shape, self.dtype)
+            except layout.BadBlock as exc:
+                log.warning("redis KV tier: %s rejected (%s); recomputing", keys[i], exc)
+                self._delete(keys[i])
+                return "rejected"
+
+        out: list[torch.Tensor] = []
+        for block in self._checkers.map(check, range(len(keys))):
+            if isinstance(block, str):
+                self.on_failure(block)
+                break
+            out.append(block)
         return out
 
     def _delete(self, key: str) -> None:
@@ -94,7 +109,7 @@ class RedisTier:
             try:
                 pipe = self.client.pipeline(transaction=False)
                 for j, key in enumerate(keys):
-                    pipe.set(key, layout.encode(key, self.namespace, blocks[:, :, j]), nx=True)
+                    pipe.set(key, layout.encode(key, self.namespace, blocks[j]), nx=True)
                 pipe.execute()
             except Exception as exc:  # noqa: BLE001 - Redis down or full: the blocks are simply not shared
                 log.warning("redis KV tier: save of %d blocks failed (%s: %s)", len(keys), type(exc).__name__, exc)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from kvgrid.v1 import worker_pb2
 from services.common.errors import InvalidArgument
-from services.worker.kv_transfer.blocks import KvCaches, gather, scatter
+from services.worker.kv_transfer.blocks import CacheBlocks, KvCaches
 from services.worker.kv_transfer.host import HostTier
 from services.worker.kv_transfer.redis_tier import RedisTier
 from services.worker.metrics import WorkerMetrics
@@ -33,6 +35,7 @@ class KvTransfer:
         metrics: WorkerMetrics | None = None,
     ):
         self.kv_caches = kv_caches
+        self.cache = CacheBlocks(kv_caches)
         self.block_size = block_size
         self.host = host
         self.redis = redis
@@ -90,8 +93,11 @@ class KvTransfer:
             self.host.save(host_blocks, host_slots)
             self._count_bytes("saved", "host", len(host_blocks))
         if redis_blocks and self.redis is not None:
-            # Copied now (this very step may overwrite the blocks); sent in the background.
-            blocks = gather(self.kv_caches, redis_blocks).cpu()
+            # Copied now (this very step may overwrite the blocks), block by block contiguous as the values hold
+            # them; encoded and sent in the background.
+            k0 = self.kv_caches[0][0]
+            blocks = torch.empty((len(redis_blocks), len(self.kv_caches), 2, *k0.shape[1:]), dtype=k0.dtype)
+            self.cache.read_blocks(redis_blocks, blocks)
             if self.redis.save(redis_keys, blocks):
                 self._count_bytes("saved", "redis", len(redis_blocks))
 
@@ -111,11 +117,8 @@ class KvTransfer:
         if remote:
             started = time.perf_counter()
             blocks = self.redis.load([load.redis_key for load in remote]) if self.redis is not None else []
-            if blocks:
-                data = blocks[0].new_empty((*blocks[0].shape[:2], len(blocks), *blocks[0].shape[2:]))
-                for j, block in enumerate(blocks):
-                    data[:, :, j] = block
-                scatter(self.kv_caches, [load.block_id for load in remote[: len(blocks)]], data)
+            for load, block in zip(remote, blocks, strict=False):
+                self.cache.write_block(load.block_id, block)
             self._observe("redis", len(blocks), time.perf_counter() - started)
             num_loaded += len(blocks)
         if num_loaded == len(loads):
