@@ -131,7 +131,12 @@ def test_both_frontends_serve_on_the_same_ports_and_metrics_sum_them(stack, tmp_
 def test_a_killed_frontend_is_restarted_while_the_other_serves(stack, tmp_path):
     old = child_pid(stack, "tokenizer-1")
     os.kill(old, signal.SIGKILL)
-    # Meanwhile the other frontend takes every new connection.
+    # A connection the kernel queued on the dying process's socket before it closed is reset (clients retry);
+    # once it is gone, the other frontend takes every new connection.
+    deadline = time.monotonic() + 30
+    while listens(old, (stack.ports["--tokenizer-port"],)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     for i in range(8):
         assert len(generate(stack.addr, i)) == 8
     deadline = time.monotonic() + 120
