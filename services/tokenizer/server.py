@@ -12,7 +12,7 @@ import grpc
 
 from kvgrid.v1 import generate_pb2_grpc
 from services.common.auth import ApiKeyInterceptor, ApiKeys
-from services.common.config import Config, HttpConfig, LimitsConfig, RoutingConfig, SecurityConfig
+from services.common.config import Config, HttpConfig, LimitsConfig, ResponsesConfig, RoutingConfig, SecurityConfig
 from services.common.logs import setup_logging
 from services.common.server import Health, add_reflection, bind, new_server, shutdown_requested
 from services.common.tls import (
@@ -29,6 +29,7 @@ from services.tokenizer.model_state import ModelState
 from services.tokenizer.openai.app import build_app
 from services.tokenizer.openai.guards import HttpGuards
 from services.tokenizer.openai.http_server import HttpServer
+from services.tokenizer.openai.responses_api.store import ResponseStore
 from services.tokenizer.openai.serving import OpenAIServing
 from services.tokenizer.router import Router
 from services.tokenizer.servicer import TextGenerationServicer
@@ -107,7 +108,8 @@ async def start_tokenizer(
     add_reflection(server, [SERVICE_NAME])
     bound = bind(server, config.network.host, port, public)
     guards = HttpGuards(keys, security.metrics_require_key, limits.max_request_bytes)
-    app = build_app(OpenAIServing(state, engine, metrics), metrics.registry, lambda: state.serving, guards)
+    store = ResponseStore.from_config(config.responses or ResponsesConfig())
+    app = build_app(OpenAIServing(state, engine, metrics), metrics.registry, lambda: state.serving, guards, store)
     http = HttpServer(app, config.http or HttpConfig(), uvicorn_ssl_options(security))
     await server.start()
     try:
