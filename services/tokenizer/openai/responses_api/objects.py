@@ -92,10 +92,6 @@ class Response(BaseModel):
     user: str | None = None
     usage: ResponseUsage | None = None
 
-    @property
-    def output_text(self) -> str:
-        return "".join(part.text for item in self.output if isinstance(item, OutputMessage) for part in item.content)
-
 
 class DeletedResponse(BaseModel):
     id: str
