@@ -31,6 +31,7 @@ from services.common.config_sections import (  # noqa: F401 - the sections are p
     NetworkConfig,
     ObservabilityConfig,
     ParallelConfig,
+    ResponsesConfig,
     RoutingConfig,
     SchedulerConfig,
     SecurityConfig,
@@ -135,6 +136,7 @@ class Config:
     security: SecurityConfig | None = None
     limits: LimitsConfig | None = None
     http: HttpConfig | None = None
+    responses: ResponsesConfig | None = None
 
 
 def _attr(section) -> str:

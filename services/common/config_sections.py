@@ -389,6 +389,25 @@ class LimitsConfig:
         return errors
 
 
+@dataclass(slots=True)
+class ResponsesConfig:
+    """The Responses API's in-memory store of finished responses (``GET /v1/responses/{id}``,
+    ``previous_response_id``), per frontend process."""
+
+    max_stored_responses: int = _opt(
+        1000, "finished /v1/responses answers a frontend keeps, the oldest dropped first past it (0: none kept)"
+    )
+    stored_response_max_age: float = _opt(3600.0, "seconds a stored /v1/responses answer is kept")
+
+    def validate(self) -> list[str]:
+        errors = []
+        if self.max_stored_responses < 0:
+            errors.append(f"--max-stored-responses must be >= 0 (0: none kept), got {self.max_stored_responses}")
+        if not self.stored_response_max_age > 0:
+            errors.append(f"--stored-response-max-age must be > 0, got {self.stored_response_max_age}")
+        return errors
+
+
 ALL_SECTIONS = (
     ModelConfig,
     LoadConfig,
@@ -403,6 +422,7 @@ ALL_SECTIONS = (
     SecurityConfig,
     LimitsConfig,
     HttpConfig,
+    ResponsesConfig,
 )
 # The sections each service takes its flags from (``kvgrid serve`` takes them all).
 WORKER_SECTIONS = (
@@ -436,4 +456,5 @@ TOKENIZER_SECTIONS = (
     SecurityConfig,
     LimitsConfig,
     HttpConfig,
+    ResponsesConfig,
 )

@@ -12,7 +12,7 @@ import grpc
 
 from kvgrid.v1 import generate_pb2_grpc
 from services.common.auth import ApiKeyInterceptor, ApiKeys
-from services.common.config import Config, HttpConfig, LimitsConfig, RoutingConfig, SecurityConfig
+from services.common.config import Config, HttpConfig, LimitsConfig, ResponsesConfig, RoutingConfig, SecurityConfig
 from services.common.logs import setup_logging
 from services.common.metrics import exposition_registry
 from services.common.server import Health, add_reflection, bind, new_server, shutdown_requested
@@ -30,6 +30,7 @@ from services.tokenizer.model_state import ModelState
 from services.tokenizer.openai.app import build_app
 from services.tokenizer.openai.guards import HttpGuards
 from services.tokenizer.openai.http_server import HttpServer
+from services.tokenizer.openai.responses_api.store import ResponseStore
 from services.tokenizer.openai.serving import OpenAIServing
 from services.tokenizer.router import Router
 from services.tokenizer.servicer import TextGenerationServicer
@@ -116,7 +117,8 @@ async def start_tokenizer(
     add_reflection(server, [SERVICE_NAME])
     guards = HttpGuards(keys, security.metrics_require_key, limits.max_request_bytes)
     registry = exposition_registry(metrics.registry)
-    app = build_app(OpenAIServing(state, engine, metrics), registry, lambda: state.serving, guards)
+    store = ResponseStore.from_config(config.responses or ResponsesConfig())
+    app = build_app(OpenAIServing(state, engine, metrics), registry, lambda: state.serving, guards, store)
     http = HttpServer(app, http_config, uvicorn_ssl_options(security))
     if shared:
         # A process joins the group's ports only once it can serve: the kernel hands a listening socket its share of

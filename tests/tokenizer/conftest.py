@@ -17,7 +17,14 @@ import grpc
 import pytest
 
 from kvgrid.v1 import generate_pb2, generate_pb2_grpc, worker_pb2
-from services.common.config import Config, ModelConfig, NetworkConfig, ObservabilityConfig, SchedulerConfig
+from services.common.config import (
+    Config,
+    ModelConfig,
+    NetworkConfig,
+    ObservabilityConfig,
+    ResponsesConfig,
+    SchedulerConfig,
+)
 from services.tokenizer.text_tokenizer import read_tokenizer_dir
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -113,14 +120,16 @@ def stack(smollm):
 
 
 @contextlib.contextmanager
-def frontend_stack(info: worker_pb2.HandshakeResponse):
+def frontend_stack(info: worker_pb2.HandshakeResponse, responses: ResponsesConfig | None = None):
     """A frontend in front of the fake scheduler, which hands out ``info``; stopped after the ``with``."""
     from services.tokenizer.server import start_tokenizer
     from tests.tokenizer.fake_scheduler import start_fake_scheduler
 
     loop = LoopThread()
     sched_server, fake, health, port = loop.run(start_fake_scheduler(info))
-    frontend = loop.run(start_tokenizer(frontend_config(f"127.0.0.1:{port}")))
+    config = frontend_config(f"127.0.0.1:{port}")
+    config.responses = responses
+    frontend = loop.run(start_tokenizer(config))
     wait_until(lambda: frontend.state.serving, what="the frontend to serve")
     channel = grpc.insecure_channel(f"127.0.0.1:{frontend.port}")
     yield Stack(loop, fake, health, frontend, channel, generate_pb2_grpc.TextGenerationStub(channel))

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.common.config_sections import ResponsesConfig
 from services.common.errors import KvgridError
 from services.tokenizer import validation as v
 from services.tokenizer.frontdoor import ChatPrompt, TextPrompt, tokenize_async
@@ -26,6 +27,10 @@ from services.tokenizer.openai.protocol import (
     TokenizeRequest,
 )
 from services.tokenizer.openai.responses import ErrorResponse, ModelCard, ModelList
+from services.tokenizer.openai.responses_api import objects as o
+from services.tokenizer.openai.responses_api.protocol import ResponsesRequest
+from services.tokenizer.openai.responses_api.serving import ResponsesServing
+from services.tokenizer.openai.responses_api.store import ResponseStore
 from services.tokenizer.openai.serving import ClientGone, OpenAIServing
 
 # What the schema (/openapi.json) says every API route may answer besides its 200: OpenAI's error object.
@@ -34,7 +39,7 @@ ERRORS = {
     for status, description in (
         (400, "a field is invalid or not supported; `param` names it"),
         (401, "no API key, or a wrong one"),
-        (404, "no such model"),
+        (404, "no such model, or no stored response of that id"),
         (413, "the body is larger than --max-request-bytes"),
         (429, "the queues are full"),
         (503, "no scheduler is ready yet, or the frontend is shutting down"),
@@ -42,6 +47,7 @@ ERRORS = {
 }
 # Generation routes answer JSON, or server-sent events with `stream: true`.
 STREAMED = {**ERRORS, 200: {"content": {"application/json": {}, "text/event-stream": {}}}}
+STORED = {**ERRORS, 200: {"model": o.Response}}
 
 
 def build_app(
@@ -49,8 +55,13 @@ def build_app(
     registry: CollectorRegistry,
     is_serving: Callable[[], bool],
     guards: HttpGuards | None = None,
+    store: ResponseStore | None = None,
 ) -> FastAPI:
+    """``store``: the Responses API's store of finished responses (default: ``ResponsesConfig``'s bounds)."""
     guards = guards or HttpGuards()
+    if store is None:
+        store = ResponseStore.from_config(ResponsesConfig())
+    responses = ResponsesServing(serving, store)
     app = FastAPI(title="kvgrid", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     # The last added runs first: the key is checked before any of the body is read.
     app.add_middleware(LimitBody, max_bytes=guards.max_body_bytes)
@@ -97,6 +108,18 @@ def build_app(
     @app.post("/v1/embeddings", responses=ERRORS)
     async def embeddings(body: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
         return await serving.embeddings(body, raw)
+
+    @app.post("/v1/responses", responses=STREAMED)
+    async def create_response(body: ResponsesRequest, raw: Request):
+        return await responses.create(body, raw)
+
+    @app.get("/v1/responses/{response_id}", responses=STORED)
+    async def get_response(response_id: str) -> JSONResponse:
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses={**ERRORS, 200: {"model": o.DeletedResponse}})
+    async def delete_response(response_id: str) -> JSONResponse:
+        return responses.delete(response_id)
 
     @app.post("/tokenize", responses=ERRORS)
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
