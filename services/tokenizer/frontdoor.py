@@ -15,11 +15,14 @@ off the event loop.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvgrid.v1 import common_pb2, generate_pb2
 from services.common.errors import InvalidArgument
 from services.tokenizer import validation as v
+from services.tokenizer.openai.tools.parser import ToolParser
+from services.tokenizer.openai.tools.support import ToolSupport, check_tools, needs_tool_template
+from services.tokenizer.openai.tools.types import ToolRequest
 from services.tokenizer.text_tokenizer import TextTokenizer
 
 # Inputs at least this long are tokenized in a thread, so that one big prompt does not stall every other stream.
@@ -44,10 +47,12 @@ class TokensPrompt:
 
 @dataclass(slots=True)
 class ChatPrompt:
-    """``messages`` as ``{"role", "content"}`` dicts, rendered with the model's chat template."""
+    """``messages`` as ``{"role", "content"}`` dicts (an assistant's may carry ``tool_calls``, a tool's its
+    ``tool_call_id``), rendered with the model's chat template; ``tools``: what the model may call."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict]
     field: str = "messages"
+    tools: ToolRequest | None = None
 
 
 Prompt = TextPrompt | TokensPrompt | ChatPrompt
@@ -62,6 +67,7 @@ class EngineRequest:
     sampling: common_pb2.SamplingParams  # as the client asked (stop strings kept: the output path applies them)
     max_tokens: int  # max_tokens resolved and capped so that prompt + output fits the model
     prompt_text: str | None = None  # the prompt as text, when it was given as text
+    tool_parser: ToolParser | None = None  # set when the output is to be read for tool calls
 
     def scheduler_sampling(self) -> common_pb2.SamplingParams:
         """The sampling params the scheduler gets: max_tokens explicit, stop strings left to the frontend."""
@@ -74,7 +80,7 @@ class EngineRequest:
 
     def with_sampling(self, request_id: str, sampling: common_pb2.SamplingParams) -> EngineRequest:
         """The same prompt as another choice (its own id and, for a seeded request, its own seed)."""
-        return EngineRequest(request_id, self.prompt_ids, sampling, self.max_tokens, self.prompt_text)
+        return EngineRequest(request_id, self.prompt_ids, sampling, self.max_tokens, self.prompt_text, self.tool_parser)
 
 
 @dataclass(slots=True)
@@ -83,22 +89,29 @@ class FrontDoor:
 
     tokenizer: TextTokenizer
     limits: v.ModelLimits
+    tools: ToolSupport = field(default_factory=ToolSupport.named)
 
     def prepare(self, prompt: Prompt, sampling: common_pb2.SamplingParams, request_id: str) -> EngineRequest:
-        """Raises ``InvalidArgument`` naming the first bad field: request id, sampling, prompt, length."""
+        """Raises ``InvalidArgument`` naming the first bad field: request id, tools, sampling, prompt, length.
+        A chat's ``tool_choice`` becomes the grammar in the sampling params the engine gets."""
         v.check_request_id(request_id)
         check_prompt_size(prompt, self.limits.max_prompt_chars)
+        parser = None
+        if isinstance(prompt, ChatPrompt) and prompt.tools is not None:
+            check_tools(prompt.tools)
+            sampling = self.tools.sampling(prompt.tools, sampling)
+            parser = self.tools.parser if prompt.tools.active else None
         v.check_sampling(sampling, self.limits)
         if isinstance(prompt, TextPrompt) and prompt.text == "":
             raise InvalidArgument(prompt.field, "empty: give text or token ids")
-        ids = _tokenize(self.tokenizer, prompt)
+        ids = _tokenize(self.tokenizer, prompt, self.tools)
         if isinstance(prompt, TokensPrompt):
             v.check_token_ids(prompt.field, ids, self.limits.vocab_size)
         v.check_prompt_length(prompt.field, len(ids), self.limits)
         room = self.limits.max_model_len - len(ids)
         max_tokens = min(sampling.max_tokens or v.DEFAULT_MAX_TOKENS, room)
         text = prompt.text if isinstance(prompt, TextPrompt) else None
-        return EngineRequest(request_id, ids, sampling, max_tokens, text)
+        return EngineRequest(request_id, ids, sampling, max_tokens, text, parser)
 
     async def prepare_async(
         self, prompt: Prompt, sampling: common_pb2.SamplingParams, request_id: str
@@ -106,7 +119,8 @@ class FrontDoor:
         """``prepare``, with long inputs tokenized and structured-output specs checked off the event loop (a spec's
         check builds it against the vocabulary: milliseconds, up to the fuel budget, once per distinct spec)."""
         check_prompt_size(prompt, self.limits.max_prompt_chars)  # refused here: no thread for a prompt never read
-        if num_chars(prompt) < LONG_INPUT_CHARS and sampling.WhichOneof("structured_output") is None:
+        constrained = sampling.WhichOneof("structured_output") is not None or _tool_constrained(prompt)
+        if num_chars(prompt) < LONG_INPUT_CHARS and not constrained:
             return self.prepare(prompt, sampling, request_id)
         return await asyncio.to_thread(self.prepare, prompt, sampling, request_id)
 
@@ -128,7 +142,11 @@ async def tokenize_async(tokenizer: TextTokenizer, prompt: Prompt, max_chars: in
     return await asyncio.to_thread(_tokenize, tokenizer, prompt)
 
 
-def _tokenize(tokenizer: TextTokenizer, prompt: Prompt) -> list[int]:
+def _tool_constrained(prompt: Prompt) -> bool:
+    return isinstance(prompt, ChatPrompt) and prompt.tools is not None and prompt.tools.active
+
+
+def _tokenize(tokenizer: TextTokenizer, prompt: Prompt, tools: ToolSupport | None = None) -> list[int]:
     """``tokenize`` for a prompt that passed ``check_prompt_size``."""
     if isinstance(prompt, TokensPrompt):
         ids = list(prompt.token_ids)
@@ -141,7 +159,12 @@ def _tokenize(tokenizer: TextTokenizer, prompt: Prompt) -> list[int]:
             v.check_text(f"{prompt.field}[{i}].content", m.get("content") or "")
         if tokenizer.chat_template is None:
             raise InvalidArgument(prompt.field, "the model's tokenizer has no chat template; send a plain prompt")
-        return tokenizer.encode_chat(prompt.messages)
+        offered = prompt.tools.tools if prompt.tools is not None and prompt.tools.choice.mode != "none" else []
+        tool_dicts = [tool.as_template_tool() for tool in offered]
+        template = None
+        if needs_tool_template(prompt.messages, tool_dicts) and not tokenizer.chat_template.uses_tools:
+            template = tokenizer.template_for((tools or ToolSupport.named()).template_source)
+        return tokenizer.encode_chat(prompt.messages, tool_dicts, template)
     v.check_text(prompt.field, prompt.text)
     return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
 
@@ -159,7 +182,7 @@ def check_prompt_size(prompt: Prompt, max_chars: int) -> None:
     v.check_prompt_chars(prompt.field, num_chars(prompt), max_chars)
 
 
-def check_messages(field: str, messages: list[dict[str, str]]) -> None:
+def check_messages(field: str, messages: list[dict]) -> None:
     """Chat messages as dicts: each a ``{"role": ..., "content": "..."}`` with a known role."""
     roles = []
     for i, m in enumerate(messages):

@@ -16,6 +16,7 @@ from kvgrid.v1 import generate_pb2, worker_pb2
 from services.common.errors import Unavailable
 from services.tokenizer.frontdoor import FrontDoor
 from services.tokenizer.grammar_check import GrammarChecker
+from services.tokenizer.openai.tools.support import ToolSupport
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.tokenizer.validation import ModelLimits
 
@@ -32,10 +33,18 @@ class ModelState:
         served_model_name: str = "",
         on_change: Callable[[bool], None] = lambda serving: None,
         max_prompt_chars: int = 0,
+        tools: ToolSupport | None = None,
+        chat_template: str = "",
     ):
-        """``max_prompt_chars``: --max-prompt-chars (0: from the worker's max_model_len, see ``ModelLimits``)."""
+        """``max_prompt_chars``: --max-prompt-chars (0: from the worker's max_model_len, see ``ModelLimits``);
+        ``tools``: the tool-call parser and its template (--tool-call-parser); ``chat_template``: the source of
+        --chat-template, which replaces the model's own ('' keeps it)."""
         self.scheduler_addr = scheduler_addr
+        self._chat_template = chat_template
+        if tokenizer is not None and chat_template:
+            tokenizer.use_chat_template(chat_template)
         self.tokenizer = tokenizer
+        self.tools = tools or ToolSupport.named()
         self.info: worker_pb2.HandshakeResponse | None = None
         self.scheduler_serving = False
         # Set once shutdown begins: never serving again, whatever the scheduler says.
@@ -62,7 +71,10 @@ class ModelState:
         if not self._override and files != self._files:
             if not files:
                 raise ValueError("the worker sent no tokenizer files; start the frontend with --tokenizer PATH")
-            self.tokenizer = await asyncio.to_thread(TextTokenizer.from_files, files)
+            tokenizer = await asyncio.to_thread(TextTokenizer.from_files, files)
+            if self._chat_template:
+                tokenizer.use_chat_template(self._chat_template)
+            self.tokenizer = tokenizer
             self._files = files
             log.info("tokenizer loaded from the worker's files (%s)", ", ".join(sorted(files)))
         await self._build_grammar_checker(info)
@@ -154,7 +166,7 @@ class ModelState:
 
     def front_door(self) -> FrontDoor:
         """The front door for a new request; UNAVAILABLE unless serving."""
-        return FrontDoor(*self.require_serving())
+        return FrontDoor(*self.require_serving(), self.tools)
 
     def max_prompt_chars(self) -> int | None:
         """The prompt cap in characters once the model is known (None before: the front door's default)."""
