@@ -359,8 +359,8 @@ class LimitsConfig:
         return errors
 
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
-CHAT_TEMPLATES = ("hermes", "llama3_json", "mistral", "pythonic")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+CHAT_TEMPLATES = ("hermes", "llama3_json", "mistral")  # shipped ones, in services/tokenizer/openai/tools/templates
 
 
 @dataclass(slots=True)

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 
 def tool(name: str, description: str, properties: dict, required: list[str] | None = None) -> dict:
-    parameters = {"type": "object", "properties": properties, "required": required or list(properties)}
+    parameters = {
+        "type": "object",
+        "properties": properties,
+        "required": required or list(properties),
+        "additionalProperties": False,
+    }
     return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
 
 

@@ -7,7 +7,7 @@ import functools
 import os
 from importlib import resources
 
-SHIPPED = ("hermes", "llama3_json", "mistral", "pythonic")
+SHIPPED = ("hermes", "llama3_json", "mistral")
 
 
 @functools.cache
