@@ -22,6 +22,7 @@ from services.common.config_sections import (  # noqa: F401 - the sections are p
     TOKENIZER_SECTIONS,
     WORKER_SECTIONS,
     CacheConfig,
+    ChatConfig,
     DeviceConfig,
     HttpConfig,
     LifecycleConfig,
@@ -137,6 +138,7 @@ class Config:
     limits: LimitsConfig | None = None
     http: HttpConfig | None = None
     responses: ResponsesConfig | None = None
+    chat: ChatConfig | None = None
 
 
 def _attr(section) -> str:

@@ -408,6 +408,30 @@ class ResponsesConfig:
         return errors
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+CHAT_TEMPLATES = ("hermes", "llama3_json", "mistral")  # shipped ones, in services/tokenizer/openai/tools/templates
+
+
+@dataclass(slots=True)
+class ChatConfig:
+    """How the frontend renders chats and reads tool calls (vLLM's flag names)."""
+
+    chat_template: str = _opt(
+        "",
+        "chat template for every chat: a Jinja file, or a shipped one by name ("
+        + ", ".join(CHAT_TEMPLATES)
+        + "); empty: the model's own, and for tools the tool-call parser's when the model's does not write tools",
+    )
+    tool_call_parser: str = _opt(
+        "hermes", "format of the model's tool calls, read into OpenAI tool_calls", TOOL_CALL_PARSERS
+    )
+
+    def validate(self) -> list[str]:
+        if self.chat_template and self.chat_template not in CHAT_TEMPLATES and not os.path.isfile(self.chat_template):
+            return [f"--chat-template {self.chat_template!r} is neither a file nor one of {', '.join(CHAT_TEMPLATES)}"]
+        return []
+
+
 ALL_SECTIONS = (
     ModelConfig,
     LoadConfig,
@@ -423,6 +447,7 @@ ALL_SECTIONS = (
     LimitsConfig,
     HttpConfig,
     ResponsesConfig,
+    ChatConfig,
 )
 # The sections each service takes its flags from (``kvgrid serve`` takes them all).
 WORKER_SECTIONS = (
@@ -457,4 +482,5 @@ TOKENIZER_SECTIONS = (
     LimitsConfig,
     HttpConfig,
     ResponsesConfig,
+    ChatConfig,
 )

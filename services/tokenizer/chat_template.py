@@ -14,6 +14,7 @@ from datetime import datetime
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from services.common.errors import InvalidArgument
@@ -59,22 +60,28 @@ class ChatTemplate:
     """A compiled chat template plus the variables every render sees (bos_token, eos_token, ...)."""
 
     def __init__(self, source: str, variables: dict[str, object]):
+        env = _environment()
         try:
-            self._template = _environment().from_string(source)
+            self._template = env.from_string(source)
+            names = jinja2.meta.find_undeclared_variables(env.parse(source))
         except jinja2.exceptions.TemplateSyntaxError as e:
             raise ValueError(f"the chat template does not compile: {e}") from e
         self.source = source
         self._variables = dict(variables)
+        # Whether the template writes tools and tool calls itself (transformers passes ``tools`` to every template).
+        self.uses_tools = "tools" in names
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The conversation as prompt text; a template that rejects it raises InvalidArgument on messages."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The conversation (and the tools offered, in OpenAI's shape) as prompt text; a template that rejects
+        it raises InvalidArgument on messages."""
         try:
             return self._template.render(
                 **self._variables,
                 messages=messages,
-                tools=None,
+                tools=tools or None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
             )
-        except jinja2.exceptions.TemplateError as e:
-            raise InvalidArgument("messages", f"the model's chat template rejected the conversation: {e}") from e
+        except (jinja2.exceptions.TemplateError, TypeError, ValueError, LookupError) as e:
+            # TypeError and the like: a template that meets a value of a shape it does not expect (e.g. no content).
+            raise InvalidArgument("messages", f"the chat template rejected the conversation: {e}") from e

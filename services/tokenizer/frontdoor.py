@@ -15,12 +15,15 @@ off the event loop.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvgrid.v1 import common_pb2, generate_pb2, worker_pb2
 from services.common import pooling
 from services.common.errors import InvalidArgument
 from services.tokenizer import validation as v
+from services.tokenizer.openai.tools.parser import ToolParser
+from services.tokenizer.openai.tools.support import ToolSupport, check_tools, needs_tool_template
+from services.tokenizer.openai.tools.types import ToolRequest
 from services.tokenizer.text_tokenizer import TextTokenizer
 
 # Inputs at least this long are tokenized in a thread, so that one big prompt does not stall every other stream.
@@ -47,10 +50,12 @@ class TokensPrompt:
 
 @dataclass(slots=True)
 class ChatPrompt:
-    """``messages`` as ``{"role", "content"}`` dicts, rendered with the model's chat template."""
+    """``messages`` as ``{"role", "content"}`` dicts (an assistant's may carry ``tool_calls``, a tool's its
+    ``tool_call_id``), rendered with the model's chat template; ``tools``: what the model may call."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict]
     field: str = "messages"
+    tools: ToolRequest | None = None
 
 
 Prompt = TextPrompt | TokensPrompt | ChatPrompt
@@ -66,6 +71,7 @@ class EngineRequest:
     max_tokens: int  # max_tokens resolved and capped so that prompt + output fits the model
     prompt_text: str | None = None  # the prompt as text, when it was given as text
     pooling: common_pb2.PoolingParams | None = None  # a pooling request's params, resolved (no sampling then)
+    tool_parser: ToolParser | None = None  # set when the output is to be read for tool calls
 
     def scheduler_sampling(self) -> common_pb2.SamplingParams:
         """The sampling params the scheduler gets: max_tokens explicit, stop strings left to the frontend."""
@@ -78,7 +84,9 @@ class EngineRequest:
 
     def with_sampling(self, request_id: str, sampling: common_pb2.SamplingParams) -> EngineRequest:
         """The same prompt as another choice (its own id and, for a seeded request, its own seed)."""
-        return EngineRequest(request_id, self.prompt_ids, sampling, self.max_tokens, self.prompt_text)
+        return EngineRequest(
+            request_id, self.prompt_ids, sampling, self.max_tokens, self.prompt_text, self.pooling, self.tool_parser
+        )
 
 
 @dataclass(slots=True)
@@ -88,23 +96,30 @@ class FrontDoor:
     tokenizer: TextTokenizer
     limits: v.ModelLimits
     pooler: worker_pb2.PoolerConfig | None = None  # a pooling server's defaults (--runner pooling); None: generate
+    tools: ToolSupport = field(default_factory=ToolSupport.named)
 
     def prepare(self, prompt: Prompt, sampling: common_pb2.SamplingParams, request_id: str) -> EngineRequest:
-        """Raises ``InvalidArgument`` naming the first bad field: request id, sampling, prompt, length."""
+        """Raises ``InvalidArgument`` naming the first bad field: request id, tools, sampling, prompt, length.
+        A chat's ``tool_choice`` becomes the grammar in the sampling params the engine gets."""
         pooling.check_runner("model", False, self.pooler is not None)
         v.check_request_id(request_id)
         check_prompt_size(prompt, self.limits.max_prompt_chars)
+        parser = None
+        if isinstance(prompt, ChatPrompt) and prompt.tools is not None:
+            check_tools(prompt.tools)
+            sampling = self.tools.sampling(prompt.tools, sampling)
+            parser = self.tools.parser if prompt.tools.active else None
         v.check_sampling(sampling, self.limits)
         if isinstance(prompt, TextPrompt) and prompt.text == "":
             raise InvalidArgument(prompt.field, "empty: give text or token ids")
-        ids = _tokenize(self.tokenizer, prompt)
+        ids = _tokenize(self.tokenizer, prompt, self.tools)
         if isinstance(prompt, TokensPrompt):
             v.check_token_ids(prompt.field, ids, self.limits.vocab_size)
         v.check_prompt_length(prompt.field, len(ids), self.limits)
         room = self.limits.max_model_len - len(ids)
         max_tokens = min(sampling.max_tokens or v.DEFAULT_MAX_TOKENS, room)
         text = prompt.text if isinstance(prompt, TextPrompt) else None
-        return EngineRequest(request_id, ids, sampling, max_tokens, text)
+        return EngineRequest(request_id, ids, sampling, max_tokens, text, tool_parser=parser)
 
     def prepare_pooling(
         self, prompts: list[Prompt], params: common_pb2.PoolingParams, request_id: str
@@ -144,7 +159,8 @@ class FrontDoor:
         """``prepare``, with long inputs tokenized and structured-output specs checked off the event loop (a spec's
         check builds it against the vocabulary: milliseconds, up to the fuel budget, once per distinct spec)."""
         check_prompt_size(prompt, self.limits.max_prompt_chars)  # refused here: no thread for a prompt never read
-        if num_chars(prompt) < LONG_INPUT_CHARS and sampling.WhichOneof("structured_output") is None:
+        constrained = sampling.WhichOneof("structured_output") is not None or _tool_constrained(prompt)
+        if num_chars(prompt) < LONG_INPUT_CHARS and not constrained:
             return self.prepare(prompt, sampling, request_id)
         return await asyncio.to_thread(self.prepare, prompt, sampling, request_id)
 
@@ -166,7 +182,11 @@ async def tokenize_async(tokenizer: TextTokenizer, prompt: Prompt, max_chars: in
     return await asyncio.to_thread(_tokenize, tokenizer, prompt)
 
 
-def _tokenize(tokenizer: TextTokenizer, prompt: Prompt) -> list[int]:
+def _tool_constrained(prompt: Prompt) -> bool:
+    return isinstance(prompt, ChatPrompt) and prompt.tools is not None and prompt.tools.active
+
+
+def _tokenize(tokenizer: TextTokenizer, prompt: Prompt, tools: ToolSupport | None = None) -> list[int]:
     """``tokenize`` for a prompt that passed ``check_prompt_size``."""
     if isinstance(prompt, TokensPrompt):
         ids = list(prompt.token_ids)
@@ -179,7 +199,12 @@ def _tokenize(tokenizer: TextTokenizer, prompt: Prompt) -> list[int]:
             v.check_text(f"{prompt.field}[{i}].content", m.get("content") or "")
         if tokenizer.chat_template is None:
             raise InvalidArgument(prompt.field, "the model's tokenizer has no chat template; send a plain prompt")
-        return tokenizer.encode_chat(prompt.messages)
+        offered = prompt.tools.tools if prompt.tools is not None and prompt.tools.choice.mode != "none" else []
+        tool_dicts = [tool.as_template_tool() for tool in offered]
+        template = None
+        if needs_tool_template(prompt.messages, tool_dicts) and not tokenizer.chat_template.uses_tools:
+            template = tokenizer.template_for((tools or ToolSupport.named()).template_source)
+        return tokenizer.encode_chat(prompt.messages, tool_dicts, template)
     v.check_text(prompt.field, prompt.text)
     return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
 
@@ -197,7 +222,7 @@ def check_prompt_size(prompt: Prompt, max_chars: int) -> None:
     v.check_prompt_chars(prompt.field, num_chars(prompt), max_chars)
 
 
-def check_messages(field: str, messages: list[dict[str, str]]) -> None:
+def check_messages(field: str, messages: list[dict]) -> None:
     """Chat messages as dicts: each a ``{"role": ..., "content": "..."}`` with a known role."""
     roles = []
     for i, m in enumerate(messages):

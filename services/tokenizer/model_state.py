@@ -17,6 +17,7 @@ from services.common.errors import Unavailable
 from services.common.pooling import TASKS, runner_of
 from services.tokenizer.frontdoor import FrontDoor
 from services.tokenizer.grammar_check import GrammarChecker
+from services.tokenizer.openai.tools.support import ToolSupport
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.tokenizer.validation import ModelLimits
 
@@ -33,10 +34,18 @@ class ModelState:
         served_model_name: str = "",
         on_change: Callable[[bool], None] = lambda serving: None,
         max_prompt_chars: int = 0,
+        tools: ToolSupport | None = None,
+        chat_template: str = "",
     ):
-        """``max_prompt_chars``: --max-prompt-chars (0: from the worker's max_model_len, see ``ModelLimits``)."""
+        """``max_prompt_chars``: --max-prompt-chars (0: from the worker's max_model_len, see ``ModelLimits``);
+        ``tools``: the tool-call parser and its template (--tool-call-parser); ``chat_template``: the source of
+        --chat-template, which replaces the model's own ('' keeps it)."""
         self.scheduler_addr = scheduler_addr
+        self._chat_template = chat_template
+        if tokenizer is not None and chat_template:
+            tokenizer.use_chat_template(chat_template)
         self.tokenizer = tokenizer
+        self.tools = tools or ToolSupport.named()
         self.info: worker_pb2.HandshakeResponse | None = None
         self.scheduler_serving = False
         # Set once shutdown begins: never serving again, whatever the scheduler says.
@@ -63,7 +72,10 @@ class ModelState:
         if not self._override and files != self._files:
             if not files:
                 raise ValueError("the worker sent no tokenizer files; start the frontend with --tokenizer PATH")
-            self.tokenizer = await asyncio.to_thread(TextTokenizer.from_files, files)
+            tokenizer = await asyncio.to_thread(TextTokenizer.from_files, files)
+            if self._chat_template:
+                tokenizer.use_chat_template(self._chat_template)
+            self.tokenizer = tokenizer
             self._files = files
             log.info("tokenizer loaded from the worker's files (%s)", ", ".join(sorted(files)))
         await self._build_grammar_checker(info)
@@ -157,7 +169,7 @@ class ModelState:
         """The front door for a new request; UNAVAILABLE unless serving."""
         tokenizer, limits = self.require_serving()
         info = self.require_info()
-        return FrontDoor(tokenizer, limits, info.pooler if info.HasField("pooler") else None)
+        return FrontDoor(tokenizer, limits, info.pooler if info.HasField("pooler") else None, self.tools)
 
     def max_prompt_chars(self) -> int | None:
         """The prompt cap in characters once the model is known (None before: the front door's default)."""

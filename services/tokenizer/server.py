@@ -12,7 +12,15 @@ import grpc
 
 from kvgrid.v1 import generate_pb2_grpc
 from services.common.auth import ApiKeyInterceptor, ApiKeys
-from services.common.config import Config, HttpConfig, LimitsConfig, ResponsesConfig, RoutingConfig, SecurityConfig
+from services.common.config import (
+    ChatConfig,
+    Config,
+    HttpConfig,
+    LimitsConfig,
+    ResponsesConfig,
+    RoutingConfig,
+    SecurityConfig,
+)
 from services.common.logs import setup_logging
 from services.common.metrics import exposition_registry
 from services.common.server import Health, add_reflection, bind, new_server, shutdown_requested
@@ -32,6 +40,8 @@ from services.tokenizer.openai.guards import HttpGuards
 from services.tokenizer.openai.http_server import HttpServer
 from services.tokenizer.openai.responses_api.store import ResponseStore
 from services.tokenizer.openai.serving import OpenAIServing
+from services.tokenizer.openai.tools.support import ToolSupport
+from services.tokenizer.openai.tools.templates import read_chat_template
 from services.tokenizer.router import Router
 from services.tokenizer.servicer import TextGenerationServicer
 from services.tokenizer.text_tokenizer import TextTokenizer, read_tokenizer_dir
@@ -105,12 +115,15 @@ async def start_tokenizer(
         health.set(up)
         serving.set() if up else serving.clear()
 
+    chat = config.chat or ChatConfig()
     state = ModelState(
         ", ".join(addrs),
         tokenizer=tokenizer,
         served_model_name=config.model.served_model_name,
         on_change=on_change,
         max_prompt_chars=limits.max_prompt_chars,
+        tools=ToolSupport.named(chat.tool_call_parser),
+        chat_template=read_chat_template(chat.chat_template) if chat.chat_template else "",
     )
     engine = Router(addrs, state, routing, internal)
     generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state, engine, metrics), server)

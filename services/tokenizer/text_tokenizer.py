@@ -90,7 +90,9 @@ class TextTokenizer:
         variables: dict[str, object] = dict(special_tokens)
         if extra_special_tokens:
             variables["additional_special_tokens"] = list(extra_special_tokens)
+        self._template_variables = variables
         self.chat_template = ChatTemplate(chat_template, variables) if chat_template else None
+        self._templates: dict[str, ChatTemplate] = {}  # other templates by source (``template_for``)
         # A post-processor that adds no tokens (e.g. a template of "$A" alone) leaves the ids as they are but still
         # costs as much as the rest of a short prompt's encode: skip it then.
         self._post_adds_tokens = backend.num_special_tokens_to_add(False) > 0
@@ -152,14 +154,36 @@ class TextTokenizer:
         """One token decoded on its own (a byte of a split character decodes to U+FFFD)."""
         return self._backend.decode([token_id], skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        if self.chat_template is None:
-            raise ValueError("the model's tokenizer has no chat template")
-        return self.chat_template.render(messages, add_generation_prompt)
+    def template_for(self, source: str) -> ChatTemplate:
+        """A chat template of another source (``--chat-template``, a tool template) with this tokenizer's special
+        tokens as its variables, compiled once."""
+        template = self._templates.get(source)
+        if template is None:
+            template = self._templates[source] = ChatTemplate(source, self._template_variables)
+        return template
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Rendered with the generation prompt; the template writes its own special tokens (BOS included)."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+    def use_chat_template(self, source: str) -> None:
+        """Render chats with ``source`` instead of the model's own template (``--chat-template``)."""
+        self.chat_template = self.template_for(source)
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        template: ChatTemplate | None = None,
+    ) -> str:
+        template = template or self.chat_template
+        if template is None:
+            raise ValueError("the model's tokenizer has no chat template")
+        return template.render(messages, add_generation_prompt, tools)
+
+    def encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, template: ChatTemplate | None = None
+    ) -> list[int]:
+        """Rendered with the generation prompt (by ``template``, default the model's); the template writes its
+        own special tokens (BOS included)."""
+        return self.encode(self.render_chat(messages, True, tools, template), add_special_tokens=False)
 
 
 def _set_bos_eos(backend: Tokenizer, special_tokens: dict[str, str], add_bos: bool, add_eos: bool) -> None:

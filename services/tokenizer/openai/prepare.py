@@ -20,6 +20,8 @@ from services.tokenizer.openai import params as p
 from services.tokenizer.openai.errors import ModelNotFound
 from services.tokenizer.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from services.tokenizer.openai.render import Renderer
+from services.tokenizer.openai.tools.support import template_tool_calls
+from services.tokenizer.openai.tools.types import FunctionTool, ToolChoice, ToolRequest
 
 ROLES = {"developer": "system"}  # OpenAI's newer name for the system role
 T = TypeVar("T")
@@ -78,9 +80,14 @@ async def prepare_chat(req: ChatCompletionRequest, door: FrontDoor, served: str)
     model = check_model(req.model, served)
     fields = _named(lambda: p.chat_sampling(req, door.limits), None)
     request_id = _request_id(req.request_id)
-    prompt = ChatPrompt(chat_messages(req.messages))
+    tools = tool_request(req)
+    if tools is not None and tools.active:
+        fields.names["grammar"] = "tools"  # the grammar is the tools' (a schema that does not compile)
+    prompt = ChatPrompt(chat_messages(req.messages), tools=tools)
     prepared = await _named_async(lambda: door.prepare_async(prompt, fields.params, request_id), fields)
-    renderer = Renderer(True, request_id, model, req.n, p.num_top_logprobs(req), {}, None, req.prompt_logprobs)
+    renderer = Renderer(
+        True, request_id, model, req.n, p.num_top_logprobs(req), {}, None, req.prompt_logprobs, prepared.tool_parser
+    )
     return PreparedOpenAI(plan_choices(request_id, [prepared], req.n), renderer, req.stream, req.include_usage)
 
 
@@ -100,9 +107,39 @@ def plan_choices(request_id: str, prompts: list[EngineRequest], n: int) -> list[
     return choices
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """OpenAI's messages as ``{"role", "content"}`` dicts for the front door; text parts are joined."""
-    return [{"role": ROLES.get(m.role, m.role), "content": m.text()} for m in messages]
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """OpenAI's messages as ``{"role", "content"}`` dicts for the front door; text parts are joined; an
+    assistant's ``tool_calls`` and a tool message's ``tool_call_id`` and ``name`` are kept."""
+    out = []
+    for m in messages:
+        message: dict = {"role": ROLES.get(m.role, m.role), "content": m.text()}
+        if m.tool_calls:
+            calls = [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls]
+            message["tool_calls"] = template_tool_calls(calls)
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+def tool_request(req: ChatCompletionRequest) -> ToolRequest | None:
+    """The request's tools and tool_choice (OpenAI's default: ``auto`` with tools, ``none`` without)."""
+    if req.tools is None and req.tool_choice is None:
+        return None
+    tools = [
+        FunctionTool(t.function.name, t.function.description or "", t.function.parameters or {})
+        for t in req.tools or []
+    ]
+    given = req.tool_choice
+    if given is None:
+        choice = ToolChoice("auto" if tools else "none")
+    elif isinstance(given, str):
+        choice = ToolChoice(given)
+    else:
+        choice = ToolChoice("function", given.function.name)
+    return ToolRequest(tools, choice, req.parallel_tool_calls)
 
 
 def _request_id(given: str | None) -> str:

@@ -39,8 +39,6 @@ _SHARED_UNSUPPORTED: dict[str, tuple[tuple, str]] = {
 COMPLETION_UNSUPPORTED = {**_SHARED_UNSUPPORTED, "suffix": ((None, ""), "insertion (suffix)")}
 CHAT_UNSUPPORTED = {
     **_SHARED_UNSUPPORTED,
-    "tools": ((None, []), "tool calling"),
-    "tool_choice": ((None, "none"), "tool calling"),
     "functions": ((None, []), "function calling"),
     "function_call": ((None, "none"), "function calling"),
     "audio": ((None,), "audio output"),
@@ -181,9 +179,46 @@ class TextPart(CheckedModel):
     text: str
 
 
+class FunctionCallParam(CheckedModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI's API carries it
+
+
+class ToolCallParam(CheckedModel):
+    """A call in an assistant message of the history."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class FunctionDef(CheckedModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (an object)
+    strict: bool | None = None  # kvgrid holds every call to its schema when tool_choice asks for calls
+
+
+class ToolParam(CheckedModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(CheckedModel):
+    name: str
+
+
+class NamedToolChoice(CheckedModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(CheckedModel):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -193,6 +228,9 @@ class ChatMessage(CheckedModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
+    tools: list[ToolParam] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: Annotated[int, Field(ge=1, lt=2**32)] | None = None
     logprobs: bool = False
     top_logprobs: UInt32 | None = None

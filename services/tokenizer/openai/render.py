@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from kvgrid.v1 import generate_pb2
 from services.tokenizer.openai import responses as r
 from services.tokenizer.openai.prompt_logprobs import echo_entries, vllm_prompt_logprobs
+from services.tokenizer.openai.tools.parser import ToolParser
+from services.tokenizer.openai.tools.streaming import ToolCallStream
+from services.tokenizer.openai.tools.types import new_call_id
 
 
 @dataclass(slots=True)
@@ -24,12 +27,14 @@ class ChoiceState:
     finish_reason: str | None = None
     usage: generate_pb2.GenerateResponse | None = None
     prompt_logprobs: list | None = None  # vLLM's shape, when prompt_logprobs was asked for
+    tool_stream: ToolCallStream | None = None  # a streamed chat choice read for tool calls
 
 
 class Renderer:
     """``echo`` (completions): prompt index -> text to put before each choice of that prompt. ``echo_tokens``: prompt
     index -> the text of its first token, when the echoed prompt's tokens lead the logprobs (echo with logprobs).
-    ``num_prompt_logprobs``: vLLM's ``prompt_logprobs`` field, when set."""
+    ``num_prompt_logprobs``: vLLM's ``prompt_logprobs`` field, when set. ``tool_parser`` (chat): reads each choice's
+    text for tool calls."""
 
     def __init__(
         self,
@@ -41,6 +46,7 @@ class Renderer:
         echo: dict[int, str],
         echo_tokens: dict[int, str] | None = None,
         num_prompt_logprobs: int | None = None,
+        tool_parser: ToolParser | None = None,
     ):
         self.chat = chat
         self.request_id = request_id
@@ -52,6 +58,7 @@ class Renderer:
         self.echo = echo
         self.echo_tokens = echo_tokens or {}
         self.num_prompt_logprobs = num_prompt_logprobs
+        self.tool_parser = tool_parser
         self.choices: dict[int, ChoiceState] = {}
 
     def add(self, index: int, delta: generate_pb2.GenerateResponse) -> ChoiceState:
@@ -78,9 +85,9 @@ class Renderer:
             choices = [
                 r.ChatChoice(
                     index=i,
-                    message=r.AssistantMessage(content="".join(self.choices[i].text)),
+                    message=self._message("".join(self.choices[i].text)),
                     logprobs=None if self.num_top is None else r.ChatLogprobs(content=self.choices[i].logprobs),
-                    finish_reason=self.choices[i].finish_reason,
+                    finish_reason=self._finish_reason(self.choices[i].finish_reason, self._has_calls(i)),
                 )
                 for i in indexes
             ]
@@ -105,6 +112,29 @@ class Renderer:
         return r.CompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=self.usage()
         )
+
+    def _message(self, text: str) -> r.AssistantMessage:
+        if self.tool_parser is None:
+            return r.AssistantMessage(content=text)
+        parsed = self.tool_parser.parse(text, final=True)
+        calls = [
+            r.ToolCallOut(id=new_call_id(), function=r.FunctionCall(name=c.name, arguments=c.arguments))
+            for c in parsed.calls
+        ]
+        return r.AssistantMessage(content=parsed.content or (None if calls else ""), tool_calls=calls)
+
+    def _has_calls(self, index: int) -> bool:
+        if self.tool_parser is None:
+            return False
+        state = self.choices[index]
+        if state.tool_stream is not None:
+            return bool(state.tool_stream.call_ids)
+        return bool(self.tool_parser.parse("".join(state.text), final=True).calls)
+
+    @staticmethod
+    def _finish_reason(finish: str | None, has_calls: bool) -> str | None:
+        """OpenAI's ``tool_calls`` for an answer that ended in calls of its own accord."""
+        return "tool_calls" if finish == "stop" and has_calls else finish
 
     def usage(self) -> r.Usage:
         """Prompt tokens count once per prompt, whatever n is; completion tokens add up over choices."""
@@ -140,6 +170,8 @@ class Renderer:
             return None
         state.started, state.unsent_prefix = True, ""
         finish = delta.finish_reason or None
+        if self.chat and self.tool_parser is not None:
+            return self._tool_chunk(index, state, delta, first, new_logprobs)
         if self.chat:
             choice = r.ChatChunkChoice(
                 index=index,
@@ -153,6 +185,28 @@ class Renderer:
                 index=index, text=text, logprobs=self._completion_logprobs(new_logprobs), finish_reason=finish
             )
             body = r.CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
+        return body.model_dump_json()
+
+    def _tool_chunk(self, index: int, state: ChoiceState, delta, first: bool, new_logprobs: list) -> str | None:
+        """A chat chunk whose text went through the tool-call stream: content and call deltas."""
+        if state.tool_stream is None:
+            state.tool_stream = ToolCallStream(self.tool_parser)
+        pushed = state.tool_stream.push(delta.text, final=bool(delta.finish_reason))
+        calls = [c.as_openai() for c in pushed.calls] or None
+        if not (pushed.content or calls or delta.finish_reason or new_logprobs or first):
+            return None
+        finish = self._finish_reason(delta.finish_reason or None, bool(state.tool_stream.call_ids))
+        choice = r.ChatChunkChoice(
+            index=index,
+            delta=r.DeltaMessage(
+                role="assistant" if first else None,
+                content=pushed.content or None if calls else pushed.content,
+                tool_calls=calls,
+            ),
+            logprobs=None if self.num_top is None else r.ChatLogprobs(content=new_logprobs),
+            finish_reason=finish,
+        )
+        body = r.ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
         return body.model_dump_json()
 
     def usage_chunk(self) -> str:

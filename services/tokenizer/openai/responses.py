@@ -63,9 +63,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] = []
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the answer is tool calls alone
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatChoice(BaseModel):
@@ -88,6 +100,9 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # Per call: {"index", "id", "type", "function": {"name", "arguments"}} first, then {"index", "function":
+    # {"arguments"}} pieces (``tools.streaming.CallDelta``).
+    tool_calls: list[dict] | None = None
 
 
 class ChatChunkChoice(BaseModel):

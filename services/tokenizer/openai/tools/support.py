@@ -1,0 +1,96 @@
+"""What the front door does with a chat request's tools: check them, choose the template that renders them,
+and turn ``tool_choice`` into the grammar the worker applies.
+
+A model whose own chat template writes tools (it reads ``tools``, as transformers' templates do) renders them
+itself; otherwise the template shipped with the tool-call parser does (``hermes``: ChatML), so the model's
+answer comes in the format the parser reads.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from kvgrid.v1 import common_pb2
+from services.common.errors import InvalidArgument
+from services.tokenizer.openai.tools.grammar import tool_grammar
+from services.tokenizer.openai.tools.parser import ToolParser, get_parser
+from services.tokenizer.openai.tools.templates import shipped_template
+from services.tokenizer.openai.tools.types import ToolRequest
+
+DEFAULT_PARSER = "hermes"
+MAX_TOOLS = 128
+NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for function names (a dot allowed, as vLLM does)
+
+
+@dataclass(slots=True)
+class ToolSupport:
+    """The served model's tool calling: the parser of its calls and the template that writes tools for it."""
+
+    parser: ToolParser
+    template_source: str
+
+    @classmethod
+    def named(cls, parser_name: str = DEFAULT_PARSER) -> ToolSupport:
+        """Raises ValueError for an unknown parser."""
+        parser = get_parser(parser_name)
+        return cls(parser, shipped_template(parser.template))
+
+    def sampling(self, request: ToolRequest, sampling: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
+        """``sampling`` with the grammar ``tool_choice`` asks for (a copy), or ``sampling`` itself when the
+        output is free. A structured output of the client's own and ``auto`` keep theirs (the output is still
+        read for calls); with ``required`` or a named function it is an error."""
+        grammar = tool_grammar(self.parser, request)
+        if grammar is None:
+            return sampling
+        if sampling.WhichOneof("structured_output") is not None:
+            if request.choice.mode == "auto":
+                return sampling
+            raise InvalidArgument(
+                "tool_choice", f"{request.choice.mode!r} cannot be combined with a structured output (response_format)"
+            )
+        out = common_pb2.SamplingParams()
+        out.CopyFrom(sampling)
+        out.grammar = grammar
+        return out
+
+
+def check_tools(request: ToolRequest, field: str = "tools") -> None:
+    """Names well-formed and distinct, parameters a JSON object schema, a named choice among the tools."""
+    if len(request.tools) > MAX_TOOLS:
+        raise InvalidArgument(field, f"at most {MAX_TOOLS} tools, got {len(request.tools)}")
+    seen: set[str] = set()
+    for i, tool in enumerate(request.tools):
+        if not NAME.fullmatch(tool.name):
+            raise InvalidArgument(
+                f"{field}[{i}].function.name", f"1 to 64 letters, digits, '_', '.' or '-', got {tool.name!r}"
+            )
+        if tool.name in seen:
+            raise InvalidArgument(f"{field}[{i}].function.name", f"{tool.name!r} is given twice")
+        seen.add(tool.name)
+        if not isinstance(tool.parameters, dict) or tool.parameters.get("type", "object") != "object":
+            raise InvalidArgument(f"{field}[{i}].function.parameters", "must be a JSON schema of an object")
+    mode = request.choice.mode
+    if mode in ("required", "function") and not request.tools:
+        raise InvalidArgument("tool_choice", f"{mode if mode != 'function' else 'a named function'} needs tools")
+    if mode == "function" and request.choice.name not in seen:
+        raise InvalidArgument("tool_choice", f"names {request.choice.name!r}, which is not among the tools")
+
+
+def template_tool_calls(calls: list[tuple[str, str, str]]) -> list[dict]:
+    """An assistant turn's calls (id, name, arguments as JSON text) as chat templates read them: arguments as
+    an object where they parse (templates write them with ``tojson``), else as the text given."""
+    out = []
+    for call_id, name, arguments in calls:
+        try:
+            value = json.loads(arguments) if arguments else {}
+        except json.JSONDecodeError:
+            value = arguments
+        out.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": value}})
+    return out
+
+
+def needs_tool_template(messages: list[dict], tools: list[dict] | None) -> bool:
+    """Whether rendering needs a template that writes tools: tools offered, or calls and results in the history."""
+    return bool(tools) or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
