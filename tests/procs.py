@@ -33,3 +33,23 @@ def terminate(process: subprocess.Popen, timeout: float) -> int:
             process.kill()
             process.wait()
     return process.returncode
+
+
+TCP_LISTEN = "0A"  # the st column of /proc/net/tcp for a listening socket
+
+
+def listeners(port: int) -> int:
+    """How many listening TCP sockets the kernel holds on ``port`` (Linux /proc/net), whichever process holds
+    them. A killed process's socket counts until it is really closed: its /proc/<pid>/fd may already read empty
+    while the process's other threads still hold it (and it still takes connections, which its close resets)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)  # the header
+                for line in f:
+                    cols = line.split()
+                    count += cols[3] == TCP_LISTEN and int(cols[1].rsplit(":", 1)[1], 16) == port
+        except FileNotFoundError:
+            continue
+    return count
