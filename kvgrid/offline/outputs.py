@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvgrid.offline.tool_calls import parsed_calls
 from kvgrid.v1 import common_pb2, generate_pb2, scheduler_pb2
 from services.scheduler.convert import add_output
 from services.scheduler.scheduler import RequestOutput as SampledToken
@@ -54,6 +55,8 @@ class RequestOutput:
     num_completion_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprob] | None  # one per token id when SamplingParams.logprobs > 0
+    # chat with tools: the calls the model made (OpenAI's shape); None when no tools were active
+    tool_calls: list[dict] | None = None
 
 
 class OutputCollector:
@@ -79,15 +82,17 @@ class OutputCollector:
 def request_output(request: EngineRequest, response: generate_pb2.GenerateResponse) -> RequestOutput:
     """The public ``RequestOutput`` of one finished request."""
     usage = response.usage
+    text, calls = parsed_calls(request.tool_parser, response.text)
     return RequestOutput(
         request_id=response.request_id,
         prompt=request.prompt_text,
         prompt_token_ids=list(request.prompt_ids),
-        text=response.text,
+        text=text,
         token_ids=list(response.token_ids),
         finish_reason=response.finish_reason,
         num_prompt_tokens=usage.prompt_tokens,
         num_completion_tokens=usage.completion_tokens,
         num_cached_tokens=usage.cached_prompt_tokens,
         logprobs=[TokenLogprob.from_proto(lp) for lp in response.logprobs] if request.sampling.logprobs else None,
+        tool_calls=calls,
     )
