@@ -34,6 +34,7 @@ from kvgrid.offline.pooling import (
 )
 from kvgrid.offline.progress import Progress
 from kvgrid.offline.sampling_params import SamplingParams
+from kvgrid.offline.tool_calls import tool_request
 from kvgrid.v1 import generate_pb2, scheduler_pb2
 from services.common.config import Config
 from services.common.errors import KvgridError
@@ -41,6 +42,7 @@ from services.scheduler.admission import admit
 from services.scheduler.request import Request
 from services.tokenizer import validation as v
 from services.tokenizer.frontdoor import ChatPrompt, EngineRequest, FrontDoor, TextPrompt, TokensPrompt
+from services.tokenizer.openai.tools.types import ToolRequest
 from services.tokenizer.text_tokenizer import TextTokenizer, read_tokenizer_dir
 from services.worker.core import build_core
 
@@ -136,13 +138,20 @@ class LLM:
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        tools: Sequence[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool = True,
     ) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them, through the model's chat
-        template with the assistant's turn opened; one result per conversation."""
+        template with the assistant's turn opened; one result per conversation. ``tools`` and ``tool_choice``
+        are OpenAI's (see docs/tools.md): a result's ``tool_calls`` are the calls the model made, in OpenAI's
+        shape, and its ``text`` the rest of its answer."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = _per_prompt(sampling_params, len(conversations))
+        tool_req = tool_request(tools, tool_choice, parallel_tool_calls)
         prepared = [
-            _indexed(i, self.prepare_chat, c, s) for i, (c, s) in enumerate(zip(conversations, params, strict=True))
+            _indexed(i, self.prepare_chat, c, s, tool_req)
+            for i, (c, s) in enumerate(zip(conversations, params, strict=True))
         ]
         return self.run(prepared, use_tqdm)
 
@@ -193,8 +202,10 @@ class LLM:
         given = TextPrompt(prompt) if isinstance(prompt, str) else TokensPrompt(list(prompt))
         return self._through_front_door(given, params)
 
-    def prepare_chat(self, conversation: Conversation, params: SamplingParams) -> PreparedRequest:
-        return self._through_front_door(ChatPrompt(list(conversation)), params)
+    def prepare_chat(
+        self, conversation: Conversation, params: SamplingParams, tools: ToolRequest | None = None
+    ) -> PreparedRequest:
+        return self._through_front_door(ChatPrompt(list(conversation), tools=tools), params)
 
     def _through_front_door(self, prompt, params: SamplingParams) -> PreparedRequest:
         sampling = params.to_proto()
@@ -270,8 +281,8 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int
     return params
 
 
-def _indexed(i: int, prepare, item, params) -> PreparedRequest:
+def _indexed(i: int, prepare, item, params, *extra) -> PreparedRequest:
     try:
-        return prepare(item, params)
+        return prepare(item, params, *extra)
     except ValueError as e:
         raise ValueError(f"prompt {i}: {e}") from None

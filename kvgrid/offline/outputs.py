@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvgrid.offline.tool_calls import parsed_calls
 from kvgrid.v1 import common_pb2, generate_pb2, scheduler_pb2
 from services.scheduler.convert import add_output
 from services.scheduler.scheduler import RequestOutput as SampledToken
@@ -79,6 +80,8 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None  # one per token id when SamplingParams.logprobs > 0
     # With SamplingParams.prompt_logprobs: one entry per prompt token (vLLM's shape, None first), else None.
     prompt_logprobs: PromptLogprobs | None = None
+    # chat with tools: the calls the model made (OpenAI's shape); None when no tools were active
+    tool_calls: list[dict] | None = None
 
 
 class OutputCollector:
@@ -104,11 +107,12 @@ class OutputCollector:
 def request_output(request: EngineRequest, response: generate_pb2.GenerateResponse) -> RequestOutput:
     """The public ``RequestOutput`` of one finished request."""
     usage = response.usage
+    text, calls = parsed_calls(request.tool_parser, response.text)
     return RequestOutput(
         request_id=response.request_id,
         prompt=request.prompt_text,
         prompt_token_ids=list(request.prompt_ids),
-        text=response.text,
+        text=text,
         token_ids=list(response.token_ids),
         finish_reason=response.finish_reason,
         num_prompt_tokens=usage.prompt_tokens,
@@ -120,4 +124,5 @@ def request_output(request: EngineRequest, response: generate_pb2.GenerateRespon
             if request.sampling.HasField("prompt_logprobs")
             else None
         ),
+        tool_calls=calls,
     )

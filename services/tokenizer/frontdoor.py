@@ -199,7 +199,7 @@ def _tokenize(tokenizer: TextTokenizer, prompt: Prompt, tools: ToolSupport | Non
             v.check_text(f"{prompt.field}[{i}].content", m.get("content") or "")
         if tokenizer.chat_template is None:
             raise InvalidArgument(prompt.field, "the model's tokenizer has no chat template; send a plain prompt")
-        offered = prompt.tools.tools if prompt.tools is not None and prompt.tools.choice.mode != "none" else []
+        offered = prompt.tools.tools if prompt.tools is not None else []  # with tool_choice none too, as OpenAI
         tool_dicts = [tool.as_template_tool() for tool in offered]
         template = None
         if needs_tool_template(prompt.messages, tool_dicts) and not tokenizer.chat_template.uses_tools:

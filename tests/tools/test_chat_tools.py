@@ -177,26 +177,6 @@ def test_round_trip_with_a_tool_result(client, model):
         ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name", "given twice"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name", "letters"),
         (
-            {
-                "tools": [
-                    {
-                        "type": "function",
-                        "function": {
-                            "name": "f",
-                            "parameters": {
-                                "type": "object",
-                                "properties": {"x": {"type": "string", "pattern": "(a{1000}){1000}"}},
-                                "required": ["x"],
-                            },
-                        },
-                    }
-                ],
-                "tool_choice": "required",
-            },
-            "tools",
-            "too costly",
-        ),
-        (
             {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",
             "structured output",
