@@ -41,7 +41,16 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.results import save  # noqa: E402
-from benchmarks.serving_sides import Shape, add_arguments, run_hf, run_stack, run_worker, shapes, warm_up  # noqa: E402
+from benchmarks.serving_sides import (  # noqa: E402
+    Shape,
+    add_arguments,
+    measure,
+    median_ratio,
+    run_hf,
+    run_stack,
+    run_worker,
+    shapes,
+)
 from kvgrid.v1 import generate_pb2, generate_pb2_grpc  # noqa: E402
 from services.common import config as cfg  # noqa: E402
 from services.common.default_model import default_model_path  # noqa: E402
@@ -86,25 +95,6 @@ def open_hf() -> Side:
     directory, name = os.path.split(default_model_path())
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
     return lambda shape: run_hf(model, shape, pad_id=0)
-
-
-def measure(sides: dict[str, Side], shape: Shape, rounds: int) -> dict[str, list[float]]:
-    """Output tokens/s of each side per round. Every side warms up first; then the sides take turns,
-    the order rotating each round, so that a slow spell of the machine falls on each in turn."""
-    for run in sides.values():
-        run(warm_up(shape))
-    names, rates = list(sides), {name: [] for name in sides}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            tokens, seconds = sides[name](shape)
-            rates[name].append(tokens / seconds)
-            print(f"round {r + 1}  {name:6s} {shape.name}: {tokens / seconds:.1f} tok/s", flush=True)
-    return rates
-
-
-def median_ratio(top: list[float], bottom: list[float]) -> float:
-    """The median over rounds of one round's ratio (both sides measured minutes apart at most)."""
-    return statistics.median(t / b for t, b in zip(top, bottom, strict=True))
 
 
 def main() -> None:

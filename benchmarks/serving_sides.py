@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -145,3 +147,24 @@ def shapes(args: argparse.Namespace, vocab: int) -> list[Shape]:
         workload = make_workload(rng, args.mixed_requests, prompt, output, vocab)
         out.append(Shape(f"mixed c{args.mixed_concurrency}", args.mixed_concurrency, workload))
     return out
+
+
+def measure(
+    sides: dict[str, Callable[[Shape], tuple[int, float]]], shape: Shape, rounds: int
+) -> dict[str, list[float]]:
+    """Output tokens/s of each side per round. Every side warms up first; then the sides take turns,
+    the order rotating each round, so that a slow spell of the machine falls on each in turn."""
+    for run in sides.values():
+        run(warm_up(shape))
+    names, rates = list(sides), {name: [] for name in sides}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            tokens, seconds = sides[name](shape)
+            rates[name].append(tokens / seconds)
+            print(f"round {r + 1}  {name:6s} {shape.name}: {tokens / seconds:.1f} tok/s", flush=True)
+    return rates
+
+
+def median_ratio(top: list[float], bottom: list[float]) -> float:
+    """The median over rounds of one round's ratio (both sides measured minutes apart at most)."""
+    return statistics.median(t / b for t, b in zip(top, bottom, strict=True))

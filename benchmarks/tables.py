@@ -219,6 +219,27 @@ def embed(d: dict) -> tuple[Table, str]:
     return table(head, [row]), headline + f" ({r['inputs']} inputs of {a['lengths']} tokens)"
 
 
+def peers(d: dict) -> tuple[Table, str]:
+    sides = list(dict.fromkeys(side for r in d["results"] for side in r["tok_s"]))
+    others = [side for side in sides if side in d["results"][0]["over_llama_server"]]
+    head = ["shape"] + [f"{side} tok/s" for side in sides] + [f"{side} / llama-server" for side in others]
+    rows = [
+        [r["shape"]]
+        + [num(r["tok_s"].get(side)) for side in sides]
+        + [ratio(r["over_llama_server"].get(side)) for side in others]
+        for r in d["results"]
+    ]
+    bench = ", ".join(f"{b['test']} {num(b['tok_s'])} tok/s" for b in d["llama_bench"])
+    load = d["load_average"]
+    notes = [
+        "",
+        f"Model {d['model']}; llama-bench on the same file: {bench}; "
+        f"load average {load['before'][0]:.1f} before, {load['after'][0]:.1f} after.",
+    ]
+    kv = [f"{ratio(r['over_llama_server'].get('kvgrid'))} at {r['shape']}" for r in d["results"]]
+    return table(head, rows) + notes, f"kvgrid against llama-server: {', '.join(kv)} ({d['model']})"
+
+
 def on_gpu_machine(d: dict) -> bool:
     return bool(d["run"]["machine"].get("gpu"))
 
@@ -261,6 +282,12 @@ BENCHES = [
         ("cpu", "gpu"),
         worker_on_gpu,
         "--device cuda",
+    ),
+    Bench(
+        "peer_bench",
+        "Against peer servers (llama.cpp)",
+        "llama.cpp `llama-server` on the same GGUF, one slot per concurrent request",
+        peers,
     ),
     Bench("offline_bench", "Offline against the stack", "`LLM.generate` in one process", offline),
     Bench("control_plane_bench", "Control plane", "the ideal, concurrency × 1000 / step ms tok/s", control_plane),

@@ -205,6 +205,15 @@ SHAPES = {
             for i, ms, gb, f in (("torch", 0.6, 900.0, 0.27), ("triton n=32 splits=1", 0.2, 2700.0, None))
         ],
     },
+    "peer_bench_gemma-3-270m-q4_k_m": {
+        "model": "gemma-3-270m-q4_k_m.gguf",
+        "llama_bench": [{"test": "pp32", "tok_s": 900.0}, {"test": "tg128", "tok_s": 80.0}],
+        "load_average": {"before": [2.0, 2.0, 2.0], "after": [3.0, 3.0, 3.0]},
+        "results": [
+            {"shape": "c1 32/128", "concurrency": 1, "tok_s": {"kvgrid": 90.0, "llama-server": 80.0}}
+            | {"over_llama_server": {"kvgrid": 1.1}, "rounds": {}},
+        ],
+    },
     "control_plane_bench_c256_f2": {
         "concurrency": 256,
         "frontends": 2,
