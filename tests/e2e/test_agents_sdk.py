@@ -46,8 +46,10 @@ def agent_with(model, weather: Weather) -> Agent:
         instructions="Answer with the get_weather tool, then say what it returned.",
         model=model,
         tools=[weather.tool],
-        # The first turn must call the tool; the SDK then resets tool_choice to auto, so the answer can follow.
-        model_settings=ModelSettings(temperature=0, tool_choice="required", max_tokens=48),
+        # The first turn must call the tool (once); the SDK then resets tool_choice to auto, so the answer can
+        # follow. The answer has room to end: the SDK takes a response cut at max_output_tokens ("incomplete") as
+        # an error.
+        model_settings=ModelSettings(temperature=0, tool_choice="required", parallel_tool_calls=False, max_tokens=160),
     )
 
 

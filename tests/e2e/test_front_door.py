@@ -197,14 +197,13 @@ def test_an_invalid_body_gets_the_same_problem_through_every_door(answers, case)
 
 def test_a_field_kvgrid_knows_and_does_not_support_is_refused_by_name(fp32_stack):
     base = f"http://127.0.0.1:{fp32_stack.ports['--http-port']}"
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
-    status, body = post(base, CHAT, {"messages": QUESTION, "tools": [tool]})
-    assert status == 400 and body["error"]["param"] == "tools", body
-    assert body["error"]["message"] == "tools: not supported by kvgrid (tool calling)"
+    status, body = post(base, CHAT, {"messages": QUESTION, "chat_template": "{{ messages }}"})
+    assert status == 400 and body["error"]["param"] == "chat_template", body
+    assert body["error"]["message"] == "chat_template: not supported by kvgrid (a chat template per request)"
     status, body = post(base, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "logit_bias": {"50": 10}})
     assert status == 400 and body["error"]["param"] == "logit_bias", body
     # The values that mean "off" pass, and unknown fields stay ignored, as OpenAI's server does.
-    status, body = post(base, CHAT, {"messages": QUESTION, "max_tokens": 2, "tools": [], "tool_choice": "none"})
+    status, body = post(base, CHAT, {"messages": QUESTION, "max_tokens": 2, "chat_template_kwargs": {}})
     assert status == 200, body
     status, body = post(base, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "no_such_field": 1})
     assert status == 200, body
