@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from openai import OpenAI
 
 from tests.e2e.hf_reference import HFReference
 from tests.e2e.stack import Stack, running_stack
@@ -34,3 +35,20 @@ def channel(fp32_stack) -> grpc.Channel:
 def scheduler_channel(fp32_stack) -> grpc.Channel:
     with grpc.insecure_channel(fp32_stack.scheduler_addr) as ch:
         yield ch
+
+
+@pytest.fixture(scope="session")
+def base_url(fp32_stack) -> str:
+    """The OpenAI-compatible API's base URL on the float32 stack."""
+    return f"http://127.0.0.1:{fp32_stack.ports['--http-port']}/v1"
+
+
+@pytest.fixture(scope="session")
+def client(base_url) -> OpenAI:
+    with OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def model(client) -> str:
+    return client.models.list().data[0].id

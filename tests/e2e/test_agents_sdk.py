@@ -61,11 +61,6 @@ def check_run(result, weather: Weather) -> None:
     assert len(result.raw_responses) == len(weather.cities) + 1
 
 
-@pytest.fixture(scope="module")
-def base_url(fp32_stack) -> str:
-    return f"http://127.0.0.1:{fp32_stack.ports['--http-port']}/v1"
-
-
 def run_agent(base_url: str, make_model, stream: bool = False, **run_args):
     weather = Weather()
 

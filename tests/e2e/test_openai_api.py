@@ -10,7 +10,7 @@ import urllib.request
 
 import openai
 import pytest
-from openai import AsyncOpenAI, OpenAI
+from openai import AsyncOpenAI
 
 from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from tests.e2e.stack import collect, get_stats, wait_idle
@@ -22,22 +22,6 @@ pytestmark = pytest.mark.timeout(300)
 BLOCK_SIZE = 16
 PROMPT = "The three primary colors are"
 QUESTION = [{"role": "user", "content": "Name two planets of the solar system."}]
-
-
-@pytest.fixture(scope="module")
-def base_url(fp32_stack) -> str:
-    return f"http://127.0.0.1:{fp32_stack.ports['--http-port']}/v1"
-
-
-@pytest.fixture(scope="module")
-def client(base_url) -> OpenAI:
-    with OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def grpc_text(channel, request) -> tuple[str, list[int], generate_pb2.GenerateResponse]:

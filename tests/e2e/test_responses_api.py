@@ -10,7 +10,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from openai import AsyncOpenAI, OpenAI
+from openai import AsyncOpenAI
 
 from tests.e2e.stack import wait_idle
 
@@ -43,22 +43,6 @@ TEXT_EVENTS = [
     "response.content_part.done",
     "response.output_item.done",
 ]
-
-
-@pytest.fixture(scope="module")
-def base_url(fp32_stack) -> str:
-    return f"http://127.0.0.1:{fp32_stack.ports['--http-port']}/v1"
-
-
-@pytest.fixture(scope="module")
-def client(base_url) -> OpenAI:
-    with OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 def chat_answer(client, model, messages, max_tokens):
