@@ -3,7 +3,8 @@
 kvgrid fuses the same way (q, k, v rows in that order; gate rows then up rows), so the loader splits the fused
 tensors into the Llama names here (before tensor-parallel sharding, which cuts q, k and v apart) and
 ``LlamaForCausalLM.load_weights`` puts them back together; the model itself, the native CPU path included, is the
-Llama one.
+Llama one. A GGUF file keeps the same fused tensors (``attn_qkv``, gate-then-up ``ffn_up``); their packed
+blocks split by rows like float tensors.
 """
 
 from __future__ import annotations
@@ -31,16 +32,22 @@ def split_fused(weights: Iterable[tuple[str, torch.Tensor]], args: LlamaArgs) ->
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
     for name, tensor in weights:
         prefix, _, kind = name.rpartition(".")
-        if prefix.endswith(("qkv_proj", "gate_up_proj")) and isinstance(tensor, PackedWeight):
-            raise ValueError(f"{name!r} is fused: load Phi-3 dequantized (--quantization none)")
         if prefix.endswith("qkv_proj"):
             base = prefix.removesuffix("qkv_proj")
-            parts = tensor.split([q, kv, kv], dim=0)
+            parts = _split_rows(tensor, [q, kv, kv])
             yield from ((f"{base}{p}.{kind}", t) for p, t in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True))
         elif prefix.endswith("gate_up_proj"):
             base = prefix.removesuffix("gate_up_proj")
-            gate, up = tensor.split(args.intermediate_size, dim=0)
+            gate, up = _split_rows(tensor, [args.intermediate_size] * 2)
             yield f"{base}gate_proj.{kind}", gate
             yield f"{base}up_proj.{kind}", up
         else:
             yield name, tensor
+
+
+def _split_rows(tensor: torch.Tensor | PackedWeight, sizes: list[int]) -> list[torch.Tensor | PackedWeight]:
+    """Consecutive row ranges of a float tensor or of a packed one (a GGUF's blocks: each row is its own blocks)."""
+    if not isinstance(tensor, PackedWeight):
+        return list(tensor.split(sizes, dim=0))
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [tensor.rows(torch.arange(start, start + size)) for start, size in zip(starts, sizes, strict=True)]

@@ -5,7 +5,11 @@ Only the ``gguf`` package reads the file (transformers' GGUF reader dequantizes 
 Tensors of other types (float norms, other quantizations) are dequantized by ``gguf`` itself
 and loaded as float tensors. llama.cpp's converter permutes the rows of q and k of the "llama"
 architecture for its rotary layout; that permutation moves whole rows, so it is undone on the
-packed rows exactly as transformers undoes it on float ones.
+packed rows exactly as transformers undoes it on float ones (``gguf_names.PERMUTED_ARCHS``).
+
+Names come from ``gguf_names``. Experts, stored as one [E, N, K] tensor per projection, are always dequantized
+(the mixture-of-experts layer computes in float); with ``dequantize`` every tensor is, which is how kvgrid reads
+the GGUF files of the architectures transformers' reader does not cover (``setup.gguf_config``).
 """
 
 from __future__ import annotations
@@ -16,41 +20,10 @@ import numpy as np
 import torch
 
 from services.worker.quant.formats import PackedWeight
+from services.worker.quant.gguf_names import PERMUTED_ARCHS, expert_names, hf_name
 
 _KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 _Q5_0_BYTES = 22  # fp16 d, 4 bytes qh (bit j: the fifth bit of value j), 16 bytes of nibbles as q4_0's
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
-# Gemma 3 norms around both blocks: llama.cpp's ffn_norm is its pre-feedforward norm there
-_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def hf_name(name: str, arch: str = "llama") -> str | None:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None for tensors kvgrid skips."""
-    stem, _, kind = name.rpartition(".")
-    parts = stem.split(".")
-    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
-    if parts[0] == "blk" and len(parts) == 3 and parts[2] in layer_names:
-        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{kind}"
-    if stem in _TOP_NAMES:
-        return f"{_TOP_NAMES[stem]}.{kind}"
-    return None  # e.g. rope_freqs: kvgrid computes rotary tables itself
 
 
 def unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
@@ -75,24 +48,37 @@ def q5_0_as_q8_0(data: torch.Tensor) -> torch.Tensor:
     return torch.cat([blocks[..., :2], values], dim=-1).reshape(rows, -1).contiguous()
 
 
-def read_gguf(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
-    """(Hugging Face name, float tensor or PackedWeight) for every tensor kvgrid loads."""
+def gguf_architecture(reader) -> str:
+    field = reader.fields.get("general.architecture")
+    return "llama" if field is None else bytes(field.parts[field.data[0]]).decode()
+
+
+def read_gguf(
+    path: str, num_heads: int, num_kv_heads: int, dequantize: bool = False
+) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """(Hugging Face name, float tensor or PackedWeight) for every tensor kvgrid loads; with ``dequantize``,
+    float tensors only. Experts (3-D stacks) always come out as float tensors, one per expert."""
     import gguf
 
     reader = gguf.GGUFReader(path)
-    field = reader.fields.get("general.architecture")
-    arch = "llama" if field is None else bytes(field.parts[field.data[0]]).decode()
-    permuted = arch == "llama"
+    arch = gguf_architecture(reader)
+    permuted = arch in PERMUTED_ARCHS
     for tensor in reader.tensors:
+        experts = expert_names(tensor.name, int(tensor.shape[-1])) if len(tensor.shape) == 3 else None
+        if experts is not None:
+            stack = gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # [E, N, K]
+            for name, one in zip(experts, stack, strict=True):
+                yield name, torch.from_numpy(np.array(one, dtype=np.float32, copy=True))
+            continue
         name = hf_name(tensor.name, arch)
         if name is None:
             continue
         kind = tensor.tensor_type.name
-        fmt = _KEPT.get(kind)
+        fmt = None if dequantize else _KEPT.get(kind)
         if fmt is not None and len(tensor.shape) == 2:
             rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dims innermost first
             value = PackedWeight(fmt, torch.from_numpy(np.array(tensor.data, copy=True)).view(rows, -1), cols)
-        elif kind == "Q5_0" and len(tensor.shape) == 2:
+        elif kind == "Q5_0" and len(tensor.shape) == 2 and not dequantize:
             rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
             raw = torch.from_numpy(np.array(tensor.data, copy=True)).view(rows, -1)
             value = PackedWeight("q8_0", q5_0_as_q8_0(raw), cols)

@@ -22,7 +22,9 @@ from services.worker.layers.rope import RopeError, inverse_frequencies
 from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
 from services.worker.models.registry import ARCHITECTURES, FAMILIES, family_of
 from services.worker.parallel.sharding import shard_weights
+from services.worker.quant.gguf_weights import read_gguf
 from services.worker.quant.load import quantize_loaded, quantized_weights
+from services.worker.setup.gguf_config import OWN_MODEL_TYPES, gguf_fields, hf_config_from_gguf, reads_itself
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ def read_config(source: ModelSource) -> tuple[Any, LlamaArgs]:
 
     directory, kwargs = source.hf_kwargs
     try:
-        hf_config = AutoConfig.from_pretrained(directory, **kwargs)
+        hf_config = _own_gguf_config(source) or AutoConfig.from_pretrained(directory, **kwargs)
     except Exception as exc:
         raise ModelLoadError(f"cannot read the model config of {source.path!r}: {_one_line(exc)}") from exc
     model_type = getattr(hf_config, "model_type", "")
@@ -94,6 +96,14 @@ def read_config(source: ModelSource) -> tuple[Any, LlamaArgs]:
     return hf_config, args
 
 
+def _own_gguf_config(source: ModelSource) -> Any | None:
+    """The config of a GGUF file whose architecture transformers' GGUF reader does not (fully) describe."""
+    if source.format != "gguf":
+        return None
+    fields, shapes = gguf_fields(source.path)
+    return hf_config_from_gguf(fields, shapes) if reads_itself(fields) else None
+
+
 def iter_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, tensor) pairs."""
     if source.format == "safetensors":
@@ -103,6 +113,10 @@ def iter_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, tor
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                     yield name, f.get_tensor(name)
+        return
+    if hf_config.model_type in OWN_MODEL_TYPES:
+        args = LlamaArgs.from_hf_config(hf_config)
+        yield from read_gguf(source.path, args.num_heads, args.num_kv_heads, dequantize=True)
         return
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint

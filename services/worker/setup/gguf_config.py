@@ -1,0 +1,128 @@
+"""A transformers config from a GGUF file's metadata, for the architectures whose GGUF files kvgrid reads itself.
+
+transformers' GGUF reader covers Llama and Gemma 3 (kvgrid reads those through it), but not Mixtral (llama.cpp
+writes it as architecture ``llama`` with ``llama.expert_count``) and not all of Qwen3's, Qwen3-MoE's or Phi-3's
+settings (``attention.key_length`` gives the head size; ``expert_feed_forward_length`` the experts' width).
+Here the metadata keys llama.cpp's converter writes per architecture become the Hugging Face config the
+checkpoint would have had; the weights are then read by ``quant.gguf_weights.read_gguf``.
+
+What a GGUF file does not record is what llama.cpp itself computes: Qwen3-MoE's top-k weights are rescaled to
+sum to 1 (``expert_weights_norm`` when written) and every layer with expert tensors is a mixture of experts;
+Mixtral's top-k weights always are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_OWN = ("qwen3", "phi3", "qwen3moe")
+# the model types of the configs built here: their weights are read by read_gguf too
+OWN_MODEL_TYPES = ("qwen3", "phi3", "qwen3_moe", "mixtral")
+
+
+def reads_itself(fields: dict[str, Any]) -> bool:
+    """Whether kvgrid builds this GGUF's config and reads its weights itself (rather than transformers)."""
+    arch = fields.get("general.architecture", "llama")
+    return arch in _OWN or (arch == "llama" and int(fields.get("llama.expert_count", 0) or 0) > 0)
+
+
+def gguf_fields(path: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    """The file's scalar and string metadata by key (arrays skipped), and each tensor's shape (outermost first)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    fields = {}
+    for field in reader.fields.values():
+        if field.types and field.types[0] != gguf.GGUFValueType.ARRAY:
+            fields[field.name] = field.contents()
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    return fields, shapes
+
+
+def _decimal(value: float) -> float:
+    """A float32 metadata value as the shortest decimal that reads back as it (1e-05, not 9.99999974e-06)."""
+    import numpy as np
+
+    return float(str(np.float32(value)))
+
+
+def _rope_parameters(fields: dict[str, Any], arch: str, theta: float, shapes) -> dict[str, Any]:
+    kind = fields.get(f"{arch}.rope.scaling.type", "none")
+    if "rope_factors_long.weight" in shapes:  # Phi-3's long-context scaling: its factors are tensors
+        return {"rope_type": "longrope", "rope_theta": theta}
+    if kind in ("none", None):
+        return {"rope_type": "default", "rope_theta": theta}
+    params = {"rope_type": kind, "rope_theta": theta, "factor": _decimal(fields[f"{arch}.rope.scaling.factor"])}
+    if f"{arch}.rope.scaling.original_context_length" in fields:
+        params["original_max_position_embeddings"] = int(fields[f"{arch}.rope.scaling.original_context_length"])
+    for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if f"{arch}.rope.scaling.{key}" in fields:
+            params[name] = _decimal(fields[f"{arch}.rope.scaling.{key}"])
+    return params
+
+
+def hf_config_from_gguf(fields: dict[str, Any], shapes: dict[str, tuple[int, ...]]):
+    """The transformers config of a GGUF file ``reads_itself`` accepts; ValueError for a file it cannot describe."""
+    import transformers
+
+    arch = fields.get("general.architecture", "llama")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata {arch}.{key} is missing")
+        return value
+
+    embed = shapes.get("token_embd.weight")
+    if embed is None:
+        raise ValueError("the GGUF file has no token_embd tensor")
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    layers = int(get("block_count"))
+    theta = _decimal(get("rope.freq_base", 10000.0))
+    common = dict(
+        vocab_size=int(embed[0]),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(fields.get(f"{arch}.attention.key_length") or fields.get(f"{arch}.rope.dimension_count") or 0)
+        or hidden // heads,
+        max_position_embeddings=int(get("context_length")),
+        rms_norm_eps=_decimal(get("attention.layer_norm_rms_epsilon")),
+        rope_parameters=_rope_parameters(fields, arch, theta, shapes),
+        tie_word_embeddings="output.weight" not in shapes,
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
+    )
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, architectures=["Qwen3ForCausalLM"])
+    if arch == "phi3":
+        if int(get("rope.dimension_count", hidden // heads)) != hidden // heads:
+            raise ValueError("partial rotary embeddings are not supported")
+        common.pop("head_dim")
+        window = int(fields.get("phi3.attention.sliding_window", 0) or 0)
+        original = int(fields.get("phi3.rope.scaling.original_context_length", common["max_position_embeddings"]))
+        return transformers.Phi3Config(
+            **common,
+            sliding_window=window or None,
+            original_max_position_embeddings=original,
+            pad_token_id=fields.get("tokenizer.ggml.padding_token_id"),
+            architectures=["Phi3ForCausalLM"],
+        )
+    experts, used = int(get("expert_count")), int(get("expert_used_count"))
+    if arch == "qwen3moe":
+        dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" not in shapes]
+        return transformers.Qwen3MoeConfig(
+            **common,
+            num_experts=experts,
+            num_experts_per_tok=used,
+            moe_intermediate_size=int(get("expert_feed_forward_length")),
+            norm_topk_prob=bool(fields.get("qwen3moe.expert_weights_norm", True)),
+            decoder_sparse_step=1,
+            mlp_only_layers=dense,
+            architectures=["Qwen3MoeForCausalLM"],
+        )
+    return transformers.MixtralConfig(
+        **common, num_local_experts=experts, num_experts_per_tok=used, architectures=["MixtralForCausalLM"]
+    )
