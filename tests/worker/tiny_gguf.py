@@ -1,11 +1,11 @@
 """A tiny Hugging Face model written as a GGUF file the way llama.cpp's convert_hf_to_gguf.py writes it.
 
 Names come from gguf's own ``TensorNameMap`` (the table the converter maps through), so they do not repeat
-kvgrid's reverse map. As the converter does: Mixtral is architecture ``llama`` with ``expert_count`` and its q/k
-rows permuted (``LlamaModel.permute``); experts of one projection are stacked into one [E, N, K] tensor
-(``ffn_gate_exps`` ...); Phi-3's ``qkv_proj`` and ``gate_up_proj`` stay fused (``attn_qkv``, ``ffn_up``); the
-metadata keys are those its ``set_gguf_parameters`` writes for each architecture. The tokenizer is the tiny
-byte-level BPE (``tiny.tiny_bytelevel_tokenizer``) as a ``gpt2`` vocabulary."""
+kvgrid's reverse map. As the converter does: Llama, Mistral and Mixtral are architecture ``llama`` (Mixtral with
+``expert_count``), their q/k rows permuted (``LlamaModel.permute``); experts of one projection are stacked into
+one [E, N, K] tensor (``ffn_gate_exps`` ...); Phi-3's ``qkv_proj`` and ``gate_up_proj`` stay fused (``attn_qkv``,
+``ffn_up``); the metadata keys are those its ``set_gguf_parameters`` writes for each architecture. The tokenizer
+is the tiny byte-level BPE (``tiny.tiny_bytelevel_tokenizer``) as a ``gpt2`` vocabulary."""
 
 from __future__ import annotations
 
@@ -21,7 +21,15 @@ import torch
 from tests.worker.kquant_pack import GGML_NAMES, quantize
 from tests.worker.tiny import tiny_bytelevel_tokenizer
 
-ARCHS = {"qwen3": "qwen3", "phi3": "phi3", "mixtral": "llama", "qwen3_moe": "qwen3moe"}
+ARCHS = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "mixtral": "llama",
+    "qwen3_moe": "qwen3moe",
+}
 VOCAB = 263  # tiny_bytelevel_tokenizer's ids: the models written here have this vocabulary
 _EXPERT = re.compile(r"(.*layers\.(\d+)\.)(block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
 
@@ -50,12 +58,12 @@ def _tensors(model_dir: str, cfg: dict) -> dict[str, torch.Tensor]:
         # the converter's merged names: Mixtral's layers.N.feed_forward.experts.w1, Qwen's mlp.experts.gate_proj
         name = f"layers.{prefix.split('.')[-2]}.feed_forward.experts.{part}" if block == "block_sparse_moe" else None
         out[(name or f"{prefix}mlp.experts.{part}") + ".weight"] = stacked
-    if cfg["model_type"] == "mixtral":
+    if ARCHS[cfg["model_type"]] == "llama":
         heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         for name in out:
-            if name.endswith("q_proj.weight"):
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
                 out[name] = _permute(out[name], heads)
-            elif name.endswith("k_proj.weight"):
+            elif name.endswith(("k_proj.weight", "k_proj.bias")):
                 out[name] = _permute(out[name], kv_heads)
     return out
 
@@ -119,7 +127,7 @@ def write_gguf(model_dir: str, path: str, choose: Callable[[str], str | None] = 
     _vocabulary(writer)
     chosen = {}
     for hf, tensor in sorted(_tensors(model_dir, cfg).items()):
-        name = names.get_name(hf, try_suffixes=(".weight",))
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         assert name is not None, f"no GGUF name for {hf}"
         dense = tensor.float().numpy()
         fmt = choose(name) if dense.ndim >= 2 else None
