@@ -6,8 +6,8 @@ llama.cpp's converter writes them (``tiny_gguf``): Qwen3 (q/k norms), Phi-3 (fus
 - float32 GGUF (dequantized): greedy tokens equal transformers' on the Hugging Face model, token for token;
   Mixtral also served by the real worker and scheduler over gRPC, with preemptions.
 - ``--quantization gguf``: Q8_0 and Q4_K matrices stay packed (Phi-3's fused ones split by rows, Mixtral's
-  permuted q/k rows reordered) and, under teacher forcing, each step's choice is within the float32 model's top 5
-  (the same file dequantized), the top 1 agreeing at least 90% of the time.
+  permuted q/k rows reordered; experts dequantized) and, under teacher forcing, each step's choice is within
+  the float32 model's top 5 (the same file dequantized), the top 1 agreeing at least 90% of the time.
 - A Phi-3 GGUF with long-context rope factors is refused with a one-line reason.
 """
 
@@ -99,32 +99,22 @@ def q4_k_down_q8_0_rest(name: str) -> str:
     return "q4_k" if name.endswith(".ffn_down.weight") else "q8_0"
 
 
-def _packed_stays_in_float_top5(tmp_path, kind: str, formats: set[str]) -> None:
+# experts (3-D stacks) are dequantized: in Mixtral and Qwen3-MoE only attention, router and embeddings stay packed
+PACKED = {"phi3": {"q8_0", "q4_k"}, "qwen3": {"q8_0", "q4_k"}, "qwen2": {"q8_0", "q4_k"}}
+
+
+@pytest.mark.parametrize("kind", ["phi3", "qwen3", "qwen2", "mixtral", "qwen3_moe"])
+def test_packed_gguf_stays_in_float_top5(tmp_path, kind):
+    """Q8_0 / Q4_K blocks kept packed: Phi-3's fused attn_qkv and ffn_up split by rows, Mixtral's q and k rows
+    un-permuted."""
     _, path, chosen = tiny(tmp_path, kind, q4_k_down_q8_0_rest, intermediate_size=256)
     assert "blk.0.attn_q.weight" in chosen or "blk.0.attn_qkv.weight" in chosen
     quantized = load_model(path, dtype="float32", device="cpu", quantization="gguf")
     dense = load_model(path, dtype="float32", device="cpu")
-    assert packed_formats(quantized) == formats
-    attention = [m for m in quantized.model.modules() if isinstance(m, Linear) and ".self_attn." in _name(quantized, m)]
+    assert packed_formats(quantized) == PACKED.get(kind, {"q8_0"})
+    attention = [m for name, m in quantized.model.named_modules() if isinstance(m, Linear) and ".self_attn." in name]
     assert attention and all(m.packed is not None for m in attention)
     assert teacher_forced_agreement(quantized, dense, PROMPTS) >= 0.9
-
-
-def _name(loaded, module) -> str:
-    return next(name for name, m in loaded.model.named_modules() if m is module)
-
-
-def test_phi3_packed_gguf_stays_in_float_top5(tmp_path):
-    _packed_stays_in_float_top5(tmp_path, "phi3", {"q8_0", "q4_k"})
-
-
-def test_qwen3_packed_gguf_stays_in_float_top5(tmp_path):
-    _packed_stays_in_float_top5(tmp_path, "qwen3", {"q8_0", "q4_k"})
-
-
-def test_mixtral_packed_gguf_stays_in_float_top5(tmp_path):
-    """Experts (3-D stacks) are dequantized; attention keeps its Q8_0 blocks, q and k rows un-permuted."""
-    _packed_stays_in_float_top5(tmp_path, "mixtral", {"q8_0"})
 
 
 def test_phi3_long_rope_gguf_is_refused(tmp_path):
