@@ -13,6 +13,7 @@ Mixtral's top-k weights always are.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 _OWN = ("qwen3", "phi3", "qwen3moe")
@@ -26,17 +27,53 @@ def reads_itself(fields: dict[str, Any]) -> bool:
     return arch in _OWN or (arch == "llama" and int(fields.get("llama.expert_count", 0) or 0) > 0)
 
 
-def gguf_fields(path: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
-    """The file's scalar and string metadata by key (arrays skipped), and each tensor's shape (outermost first)."""
-    import gguf
+_STRING, _ARRAY = 8, 9
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
-    reader = gguf.GGUFReader(path)
-    fields = {}
-    for field in reader.fields.values():
-        if field.types and field.types[0] != gguf.GGUFValueType.ARRAY:
-            fields[field.name] = field.contents()
-    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
-    return fields, shapes
+
+def gguf_fields(path: str) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    """The file's scalar and string metadata by key (arrays skipped, not parsed: a vocabulary of 262k tokens
+    costs gguf's reader seconds), and each tensor's shape (outermost first)."""
+    with open(path, "rb") as f:
+
+        def unpack(fmt: str):
+            size = struct.calcsize("<" + fmt)
+            data = f.read(size)
+            if len(data) != size:
+                raise ValueError(f"{path!r}: truncated GGUF header")
+            return struct.unpack("<" + fmt, data)[0]
+
+        def string() -> str:
+            return f.read(unpack("Q")).decode("utf-8", errors="replace")
+
+        if f.read(4) != b"GGUF" or unpack("I") < 2:
+            raise ValueError(f"{path!r} is not a GGUF file of version 2 or later")
+        num_tensors, num_fields = unpack("Q"), unpack("Q")
+        fields: dict[str, Any] = {}
+        for _ in range(num_fields):
+            key, kind = string(), unpack("I")
+            if kind == _STRING:
+                fields[key] = string()
+            elif kind in _SCALARS:
+                fields[key] = unpack(_SCALARS[kind])
+            elif kind == _ARRAY:
+                item, count = unpack("I"), unpack("Q")
+                if item == _STRING:
+                    for _ in range(count):
+                        f.seek(unpack("Q"), 1)
+                elif item in _SCALARS:
+                    f.seek(count * struct.calcsize(_SCALARS[item]), 1)
+                else:
+                    raise ValueError(f"{path!r}: GGUF array of value type {item} in {key!r}")
+            else:
+                raise ValueError(f"{path!r}: unknown GGUF value type {kind} in {key!r}")
+        shapes = {}
+        for _ in range(num_tensors):
+            name = string()
+            dims = [unpack("Q") for _ in range(unpack("I"))]
+            unpack("I"), unpack("Q")  # type, offset
+            shapes[name] = tuple(reversed(dims))  # GGUF lists dims innermost first
+        return fields, shapes
 
 
 def _decimal(value: float) -> float:
