@@ -4,7 +4,7 @@ llama.cpp's converter writes them (``tiny_gguf``): Qwen3 (q/k norms), Phi-3 (fus
 
 - The config kvgrid reads from the GGUF metadata gives the model the checkpoint's own config gives.
 - float32 GGUF (dequantized): greedy tokens equal transformers' on the Hugging Face model, token for token;
-  Mixtral also served by the real worker and scheduler over gRPC, with preemptions.
+  also served by the real worker and scheduler over gRPC, chunked prefills and preempted requests included.
 - ``--quantization gguf``: Q8_0 and Q4_K matrices stay packed (Phi-3's fused ones split by rows, Mixtral's
   permuted q/k rows reordered; experts dequantized) and, under teacher forcing, each step's choice is within
   the float32 model's top 5 (the same file dequantized), the top 1 agreeing at least 90% of the time.
@@ -77,14 +77,15 @@ def test_float_gguf_greedy_equals_transformers(tmp_path, kind):
         assert logits.argmax(dim=-1).tolist() == out[0, len(prompt) :].tolist()
 
 
-def test_mixtral_gguf_served_equals_transformers(tmp_path):
-    model_dir, path, _ = tiny(tmp_path, "mixtral")
-    core = build_core(_worker_config(path, "mixtral"))
-    assert core.handshake.architecture == "MixtralForCausalLM"
-    requests = _requests()
-    tokens, preemptions = asyncio.run(_serve(path, "mixtral", core, requests))
-    assert preemptions > 0
+@pytest.mark.parametrize("kind", KINDS)
+def test_gguf_served_equals_transformers(tmp_path, kind):
+    model_dir, path, _ = tiny(tmp_path, kind)
+    core = build_core(_worker_config(path, kind))
     hf = hf_model(model_dir)
+    assert core.handshake.architecture == hf.config.architectures[0]
+    requests = _requests()
+    tokens, preemptions = asyncio.run(_serve(path, kind, core, requests))
+    assert preemptions > 0
     for r in requests:
         prompt = list(r.prompt_token_ids)
         with torch.inference_mode():
