@@ -1,8 +1,9 @@
 """A transformers config from a GGUF file's metadata, for the architectures whose GGUF files kvgrid reads itself.
 
-transformers' GGUF reader covers Llama and Gemma 3 (kvgrid reads those through it), but not Mixtral (llama.cpp
-writes it as architecture ``llama`` with ``llama.expert_count``) and not all of Qwen3's, Qwen3-MoE's or Phi-3's
-settings (``attention.key_length`` gives the head size; ``expert_feed_forward_length`` the experts' width).
+transformers' GGUF reader covers Llama, Qwen2 and Gemma 3 (kvgrid reads those through it), but reads Mixtral
+(llama.cpp writes it as architecture ``llama`` with ``llama.expert_count``) as a dense Llama, and leaves Qwen3's
+head size and Qwen3-MoE's expert width at its config defaults (128 and 768) instead of ``attention.key_length``
+and ``expert_feed_forward_length``; Phi-3 follows the same path here for one reader of the fused tensors.
 Here the metadata keys llama.cpp's converter writes per architecture become the Hugging Face config the
 checkpoint would have had; the weights are then read by ``quant.gguf_weights.read_gguf``.
 
