@@ -1,0 +1,99 @@
+"""Pipeline stages: the decoder layers split into P contiguous ranges, each stage's ranks holding only theirs.
+
+A stage's model is the family's model built with its own layer count (and those layers' windows), its
+checkpoint tensors renamed ``layers.{i}`` -> ``layers.{i - start}``; its KV cache has one pair per layer it
+holds. Every stage keeps the embedding, final norm and logits head (the memory profile runs a whole step on
+each rank alone), but only stage 0 embeds and only rank 0 computes logits.
+
+Between stages travels one tensor per step, [T, E]: the last layer's output plus its residual. The next
+layer's fused add-and-norm would compute that very sum, so a stage starts from it with no residual and the
+arithmetic is the same as one rank's. The last stage sends its output back to rank 0, which samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from services.worker.attention.base import AttentionMetadata
+from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
+from services.worker.parallel.group import DistGroup
+
+# Families whose model runs LlamaForCausalLM.forward with per-layer state only in LlamaArgs.layer_windows.
+STAGED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_LAYER = re.compile(r"^((?:model\.)?layers\.)(\d+)\.")
+
+
+def layer_ranges(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """[start, end) of each stage: equal shares, the extra layers on the last stages (stage 0 also samples)."""
+    if num_stages > num_layers:
+        raise ValueError(f"--pipeline-parallel-size {num_stages} exceeds the model's {num_layers} layers")
+    share, extra = divmod(num_layers, num_stages)
+    sizes = [share + (1 if s >= num_stages - extra else 0) for s in range(num_stages)]
+    starts = [sum(sizes[:s]) for s in range(num_stages)]
+    return [(start, start + n) for start, n in zip(starts, sizes, strict=True)]
+
+
+def check_stages(model_type: str, args: LlamaArgs, num_stages: int) -> None:
+    """Raises ValueError with a one-line reason when this model cannot be split into ``num_stages``."""
+    if model_type not in STAGED_MODEL_TYPES:
+        raise ValueError(
+            f"--pipeline-parallel-size {num_stages}: {model_type} models run in one stage"
+            f" (stages split {', '.join(STAGED_MODEL_TYPES)} models)"
+        )
+    layer_ranges(args.num_layers, num_stages)
+
+
+def stage_args(args: LlamaArgs, layers: tuple[int, int]) -> LlamaArgs:
+    start, end = layers
+    windows = args.layer_windows[start:end] if args.layer_windows else ()
+    return dataclasses.replace(args, num_layers=end - start, layer_windows=windows)
+
+
+def stage_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], layers: tuple[int, int]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stage's layers' tensors, renumbered from 0, and every tensor outside the layers."""
+    start, end = layers
+    for name, tensor in weights:
+        m = _LAYER.match(name)
+        if m is None:
+            yield name, tensor
+        elif start <= int(m.group(2)) < end:
+            yield f"{m.group(1)}{int(m.group(2)) - start}.{name[m.end() :]}", tensor
+
+
+class StagedModel:
+    """One rank's stage in place of the model: receives the previous stage's hidden states, runs its layers,
+    sends them on. On rank 0 a call returns the last stage's output, so the runner computes logits as usual;
+    on the other ranks it returns what the stage computed."""
+
+    def __init__(self, model: LlamaForCausalLM, group: DistGroup):
+        self.model, self.group = model, group
+        self.hidden_size = model.args.hidden_size
+        self.dtype = model.embed_tokens.weight.dtype
+
+    def __getattr__(self, name: str):  # compute_logits, norm, args, ... of the wrapped model
+        return getattr(self.model, name)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # this stage's layers
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, E]
+        layout, group = self.group.layout, self.group
+        shape = (input_ids.shape[0], self.hidden_size)
+        hidden = None if layout.first else group.recv(shape, self.dtype, layout.prev_rank)
+        out = self.model(input_ids, positions, kv_caches, meta, hidden)
+        if not layout.last:
+            group.send(out, layout.next_rank)
+        elif layout.tp_rank == 0 and layout.rank != 0:
+            group.send(out, 0)
+        if layout.rank == 0 and not layout.last:
+            return group.recv(shape, self.dtype, (layout.pp - 1) * layout.tp)
+        return out
