@@ -236,8 +236,8 @@ class ParallelConfig:
                 f"--nnodes {self.nnodes} must divide the {self.world_size} ranks"
                 " (--tensor-parallel-size x --pipeline-parallel-size)"
             )
-        if not 0 <= self.node_rank < self.nnodes:
-            errors.append(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.node_rank < 0:  # its upper bound is rank 0's --nnodes, which kvgrid worker-rank reads from rank 0
+            errors.append(f"--node-rank must be >= 0, got {self.node_rank}")
         method = self.distributed_init_method
         if method and not re.fullmatch(r"tcp://[^:/\s]+:\d+|tcp://\[[0-9a-fA-F:]+\]:\d+", method):
             errors.append(f"--distributed-init-method must be tcp://HOST:PORT, got {method!r}")
