@@ -179,8 +179,9 @@ class Ranks:
         if not self.procs:
             return
         sentinels = {p.sentinel: rank for rank, p in self.procs.items()}
-        ready = multiprocessing.connection.wait(list(sentinels))
-        self._lost(sentinels[ready[0]])
+        rank = sentinels[multiprocessing.connection.wait(list(sentinels))[0]]
+        self.procs[rank].join(STOP_TIMEOUT_S / 2)  # its exit code, for the log
+        self._lost(rank)
 
     def _control_lost(self, rank: int) -> None:
         if rank in self.procs:
