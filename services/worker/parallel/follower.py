@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -23,7 +24,7 @@ from services.worker.parallel import rendezvous
 from services.worker.parallel.control import ControlClient
 from services.worker.parallel.group import DistGroup, RankLost
 from services.worker.parallel.plan import RankPlan, layout_of, load_rank, plan_rank, rank_device
-from services.worker.parallel.stages import StagedModel
+from services.worker.parallel.stages import BusyQuery, StagedModel
 from services.worker.setup.build import create_runner, max_model_len
 from services.worker.setup.loader import ModelLoadError
 from services.worker.setup.memory import InsufficientMemory
@@ -69,7 +70,7 @@ def follower_main(plan: RankPlan, rank: int, host: str) -> None:
         if plan.layers:
             runner.model = StagedModel(runner.model, group)
         log.info("rank %d ready on %s: %d KV blocks", rank, device, figures.num_blocks)
-        serve_steps(control, runner)
+        serve_steps(control, runner, lambda key: store.set(f"{key}/{rank}", str(runner.model.busy_s)))
     except (ModelLoadError, InsufficientMemory) as exc:
         log.error("rank %d: %s", rank, exc)
         sys.exit(1)
@@ -84,10 +85,14 @@ def follower_main(plan: RankPlan, rank: int, host: str) -> None:
 
 
 @torch.inference_mode()
-def serve_steps(conn, runner: ModelRunner) -> None:
-    """Each message ``conn.recv()`` gives is one step's batch; ``None`` ends the loop. Raises EOFError when
-    rank 0 is gone."""
+def serve_steps(conn, runner: ModelRunner, report_busy: Callable[[str], None] | None = None) -> None:
+    """Each message ``conn.recv()`` gives is one step's batch (or a BusyQuery for ``report_busy``); ``None`` ends
+    the loop. Raises EOFError when rank 0 is gone."""
     while (message := conn.recv()) is not None:
+        if isinstance(message, BusyQuery):
+            if report_busy is not None:
+                report_busy(message.key)
+            continue
         input_ids, positions, meta = unpack_step(message, runner.device)
         runner.model(input_ids, positions, runner.kv_caches, meta)
 

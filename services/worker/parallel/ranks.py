@@ -42,7 +42,7 @@ from services.worker.parallel.plan import (
     world_size,
 )
 from services.worker.parallel.sharding import check_size
-from services.worker.parallel.stages import check_stages, layer_ranges
+from services.worker.parallel.stages import BusyQuery, check_stages, layer_ranges
 from services.worker.setup.gguf_cache import cached_source
 from services.worker.setup.loader import ModelLoadError, read_config, resolve_source
 from services.worker.setup.memory import cpu_kv_cache_bytes, read_meminfo
@@ -100,6 +100,7 @@ class Ranks:
         self.size = plan.size
         self.group: DistGroup | None = None
         self.stopping = False
+        self.busy_queries = 0
         self._lost_once = threading.Lock()
         # Called (on a watch thread) when a rank exits unasked; by default this process exits.
         self.on_lost: Callable[[str], None] = exit_now
@@ -146,6 +147,15 @@ class Ranks:
             self.control.send(pack_step(inputs))
         except ConnectionError as exc:
             raise RankLost(f"a rank of the worker group is gone ({exc})") from exc
+
+    def stage_busy(self, runner: ModelRunner) -> list[float]:
+        """Seconds each pipeline stage has spent computing so far (its first rank's count); between steps only."""
+        self.busy_queries += 1
+        key = f"kvgrid/busy/{self.busy_queries}"
+        self.control.send(BusyQuery(key))
+        tp = self.plan.config.parallel.tensor_parallel_size
+        others = [float(self.store.get(f"{key}/{stage * tp}")) for stage in range(1, len(self.plan.layers or [0]))]
+        return [runner.model.busy_s, *others]
 
     def stop(self) -> None:
         """Tell every rank to exit and wait for the local ones (killing one that does not in STOP_TIMEOUT_S)."""

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -66,6 +68,13 @@ def stage_weights(
             yield f"{m.group(1)}{int(m.group(2)) - start}.{name[m.end() :]}", tensor
 
 
+@dataclass(frozen=True, slots=True)
+class BusyQuery:
+    """A control message: each rank writes its stage's ``busy_s`` under ``{key}/{rank}`` in the rendezvous store."""
+
+    key: str
+
+
 class StagedModel:
     """One rank's stage in place of the model: receives the previous stage's hidden states, runs its layers,
     sends them on. On rank 0 a call returns the last stage's output, so the runner computes logits as usual;
@@ -75,6 +84,9 @@ class StagedModel:
         self.model, self.group = model, group
         self.hidden_size = model.args.hidden_size
         self.dtype = model.embed_tokens.weight.dtype
+        # Seconds this stage spent computing its layers (not waiting for or sending hidden states); on CUDA the
+        # time to queue the kernels. Read by benchmarks/pp_bench.py through Ranks.stage_busy.
+        self.busy_s = 0.0
 
     def __getattr__(self, name: str):  # compute_logits, norm, args, ... of the wrapped model
         return getattr(self.model, name)
@@ -89,7 +101,9 @@ class StagedModel:
         layout, group = self.group.layout, self.group
         shape = (input_ids.shape[0], self.hidden_size)
         hidden = None if layout.first else group.recv(shape, self.dtype, layout.prev_rank)
+        started = time.perf_counter()
         out = self.model(input_ids, positions, kv_caches, meta, hidden)
+        self.busy_s += time.perf_counter() - started
         if not layout.last:
             group.send(out, layout.next_rank)
         elif layout.tp_rank == 0 and layout.rank != 0:
