@@ -134,6 +134,9 @@ def test_ranks_of_a_second_node_join_by_address_and_a_killed_one_restarts_the_gr
         with grpc.insecure_channel(stack.scheduler_addr) as channel:
             stats = wait_idle(channel)
         assert (stats.num_running, stats.num_waiting, stats.num_blocks_used) == (0, 0, 0)
+        # SIGTERM: the worker stops its group in order, so the second node's ranks end cleanly before serve stops it
+        assert stack.terminate() == 0
+        assert "node 1: rank 0 stopped the group" in stack.log()[mark:]
 
 
 def ps(stack: Stack) -> str:
