@@ -1,5 +1,5 @@
 """Tensor-parallel sharding without processes: two ranks as two threads of this process, their
-all-reduce a barrier, rank 0 feeding rank 1 each step over a pipe as ``parallel.ranks`` does.
+all-reduce a barrier, rank 0 feeding rank 1 each step over a pipe (the real ranks get it over ``parallel.control``).
 
 The sharded model's logits equal the unsharded model's over prefill, mixed and decode steps; the
 shards have the shapes the heads and MLP width divide into; sizes that do not divide are refused.
