@@ -2,7 +2,8 @@
 
 Greedy output over the e2e prompts, sent at once into a KV cache small enough to preempt, equals one rank's
 (the offline engine in this process, on the same weights) token for token; an aborted stream frees its blocks
-and leaves the others exact. The slow variants: three stages; and two "nodes" on this machine, the second's
+and leaves the others exact. The slow variants: three stages; two stages of two tensor-parallel ranks (the
+all-reduces sum in another order, greedy tokens stay); and two "nodes" on this machine, the second's
 ranks started by ``kvgrid worker-rank`` from the rendezvous address alone, where a ``kill -9`` of one of its
 ranks takes the group down, serve restarts it, and the requests the scheduler parked finish exact.
 """
@@ -100,6 +101,14 @@ def test_three_stages_give_one_ranks_greedy_tokens_through_preemption(model, ref
     with running_stack(tmp_path / "serve.log", ["--model", model, "--pipeline-parallel-size", "3", *ARGS]) as stack:
         check_prompts_through_preemption(stack, reference)
         assert re.search(r"pipeline stages' layers: \[0, 1\), \[1, 2\), \[2, 4\)", stack.log())
+
+
+@pytest.mark.slow
+def test_two_stages_of_two_tensor_parallel_ranks_give_one_ranks_greedy_tokens(model, reference, tmp_path):
+    args = ["--model", model, "--pipeline-parallel-size", "2", "--tensor-parallel-size", "2", *ARGS]
+    with running_stack(tmp_path / "serve.log", args) as stack:
+        check_prompts_through_preemption(stack, reference)
+        assert "worker group: 4 ranks (tensor parallel 2 x pipeline parallel 2, gloo, 1 nodes)" in stack.log()
 
 
 def node_rank_pid(stack: Stack, after: int = 0) -> int:
