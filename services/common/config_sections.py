@@ -208,7 +208,8 @@ class ParallelConfig:
     )
 
     pipeline_parallel_size: int = _opt(
-        1, "pipeline stages: the layers split into this many contiguous stages, each its own ranks (see nnodes)"
+        1,
+        "pipeline stages: the layers split into this many contiguous ranges, each run by --tensor-parallel-size ranks",
     )
     distributed_init_method: str = _opt(
         "",
@@ -216,7 +217,8 @@ class ParallelConfig:
         " else a free local port)",
     )
     nnodes: int = _opt(
-        1, "nodes the ranks spread over, each with an equal share; rank 0's node is 0, the others run worker-rank"
+        1,
+        "machines a worker group spreads over, equal shares of its ranks; node 0 runs rank 0, the others worker-rank",
     )
     node_rank: int = _opt(0, "this node's index (kvgrid worker-rank): it runs ranks node_rank*R..(node_rank+1)*R-1")
 
