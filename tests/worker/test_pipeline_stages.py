@@ -12,8 +12,9 @@ import torch
 
 from services.common.config import ConfigError, build_config
 from services.worker.models.llama import LlamaArgs
+from services.worker.parallel.group import Layout
 from services.worker.parallel.plan import check_options
-from services.worker.parallel.stages import check_stages, layer_ranges, stage_weights
+from services.worker.parallel.stages import check_stages, drop_unused_weights, layer_ranges, stage_weights
 from services.worker.setup.build import create_runner, load_model
 from services.worker.setup.loader import ModelLoadError
 from tests.worker.test_cli_errors import _one_error_line, _run_worker
@@ -67,6 +68,17 @@ def test_two_stages_in_turn_give_the_logits_of_the_whole_model(tmp_path):
                 hidden = r.model(inputs.input_ids, inputs.positions, r.kv_caches, inputs.meta, hidden)
             outs.append(runners[0].model.compute_logits(hidden[inputs.logits_indices]))
         assert torch.equal(outs[0], outs[1])
+
+
+def test_ranks_free_the_embedding_and_logits_head_they_never_run(tmp_path):
+    path = save_tiny_model(str(tmp_path), num_hidden_layers=4)
+    sizes = {}
+    for rank in (0, 1, 2):  # two stages of two tensor-parallel ranks: rank 1 is stage 0, rank 2 stage 1
+        model = load_model(path, dtype="float32", device="cpu", cpu_kernels="torch", layers=(0, 2)).model
+        freed = drop_unused_weights(model, Layout(rank, tp=2, pp=2))
+        sizes[rank] = (model.embed_tokens.weight.numel(), model.lm_head.weight.numel(), freed)
+    embed, head = 160 * 64, 160 * 64  # vocab x hidden, untied
+    assert sizes == {0: (embed, head, 0), 1: (embed, 0, 4 * head), 2: (0, 0, 4 * (embed + head))}
 
 
 def test_families_the_split_does_not_map_are_refused():

@@ -24,7 +24,7 @@ from services.worker.parallel import rendezvous
 from services.worker.parallel.control import ControlClient
 from services.worker.parallel.group import DistGroup, RankLost
 from services.worker.parallel.plan import RankPlan, layout_of, load_rank, plan_rank, rank_device
-from services.worker.parallel.stages import BusyQuery, StagedModel
+from services.worker.parallel.stages import BusyQuery, StagedModel, drop_unused_weights
 from services.worker.setup.build import create_runner, max_model_len
 from services.worker.setup.loader import ModelLoadError
 from services.worker.setup.memory import InsufficientMemory
@@ -68,6 +68,9 @@ def follower_main(plan: RankPlan, rank: int, host: str) -> None:
         figures = plan_rank(c, loaded, max_len, plan.kv_cache_memory, group)
         runner = create_runner(loaded, c.cache.block_size, figures.num_blocks, c.model.seed)
         if plan.layers:
+            freed = drop_unused_weights(loaded.model, layout_of(c, rank))
+            log.info("rank %d: stage %d of layers %s; %.1f MiB of weights it never runs freed", rank,
+                     layout_of(c, rank).stage, plan.layers[layout_of(c, rank).stage], freed / 2**20)  # fmt: skip
             runner.model = StagedModel(runner.model, group)
         log.info("rank %d ready on %s: %d KV blocks", rank, device, figures.num_blocks)
         serve_steps(control, runner, lambda key: store.set(f"{key}/{rank}", str(runner.model.busy_s)))

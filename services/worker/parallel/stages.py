@@ -2,8 +2,8 @@
 
 A stage's model is the family's model built with its own layer count (and those layers' windows), its
 checkpoint tensors renamed ``layers.{i}`` -> ``layers.{i - start}``; its KV cache has one pair per layer it
-holds. Every stage keeps the embedding, final norm and logits head (the memory profile runs a whole step on
-each rank alone), but only stage 0 embeds and only rank 0 computes logits.
+holds. Every stage loads the embedding, final norm and logits head (the memory profile runs a whole step on
+each rank alone); then only stage 0 keeps the embedding and only rank 0, which computes logits, the head.
 
 Between stages travels one tensor per step, [T, E]: the last layer's output plus its residual. The next
 layer's fused add-and-norm would compute that very sum, so a stage starts from it with no residual and the
@@ -19,10 +19,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from services.worker.attention.base import AttentionMetadata
 from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
-from services.worker.parallel.group import DistGroup
+from services.worker.parallel.group import DistGroup, Layout
 
 # Families whose model runs LlamaForCausalLM.forward with per-layer state only in LlamaArgs.layer_windows.
 STAGED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -66,6 +67,29 @@ def stage_weights(
             yield name, tensor
         elif start <= int(m.group(2)) < end:
             yield f"{m.group(1)}{int(m.group(2)) - start}.{name[m.end() :]}", tensor
+
+
+def drop_unused_weights(model: LlamaForCausalLM, layout: Layout) -> int:
+    """After the memory plan: free the embedding on ranks past stage 0 and the logits head (and its float32 or
+    packed copies) on every rank but 0, which alone computes logits. Returns the bytes freed."""
+    freed = 0
+
+    def empty(module: nn.Module) -> None:
+        nonlocal freed
+        freed += module.weight.numel() * module.weight.element_size()
+        module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+        module.packed = None
+        for copy in ("weight_f32", "gemm"):  # a Linear's float32 and packed-GEMM copies
+            if getattr(module, copy, None) is not None:
+                setattr(module, copy, None)
+
+    if layout.rank != 0:
+        if model.lm_head is not None:
+            empty(model.lm_head)
+        model.logits_weight_f32 = model.logits_gemm = None
+    if not layout.first:
+        empty(model.embed_tokens)
+    return freed
 
 
 @dataclass(frozen=True, slots=True)
