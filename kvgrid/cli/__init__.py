@@ -17,6 +17,11 @@ from services.common.logs import disable_progress_bars
 SERVICES = {
     "serve": ("kvgrid.cli.serve", cfg.ALL_SECTIONS, "start worker, scheduler and tokenizer locally"),
     "worker": ("services.worker.server", cfg.WORKER_SECTIONS, "serve the model (kvgrid.v1.Worker)"),
+    "worker-rank": (
+        "services.worker.parallel.node",
+        cfg.WORKER_RANK_SECTIONS,
+        "run one node's ranks of a worker group whose rank 0 runs elsewhere (--node-rank, --distributed-init-method)",
+    ),
     "scheduler": ("services.scheduler.server", cfg.SCHEDULER_SECTIONS, "serve the scheduler (kvgrid.v1.Scheduler)"),
     "tokenizer": (
         "services.tokenizer.server",

@@ -161,7 +161,7 @@ def build_children(config: cfg.Config) -> list[Child]:
     }
     http_addr = (dial_host(net.host).strip("[]"), net.http_port)
     num_frontends = config.http.api_server_count if config.http is not None else 1
-    children = []
+    children = node_children(config)
     for name in SERVICE_ORDER:
         argv, env = service_argv(name, config), service_env(name, config)
         probe = readiness_probe(name, config.security, addrs[name], http_addr)
@@ -175,6 +175,31 @@ def build_children(config: cfg.Config) -> list[Child]:
             frontend.probe = functools.partial(_frontend_listens, frontend, (net.tokenizer_port, net.http_port))
             children.append(frontend)
     return children
+
+
+def node_children(config: cfg.Config) -> list[Child]:
+    """With ``--nnodes N``: ``kvgrid worker-rank`` for nodes 1..N-1, each given only the rendezvous address and
+    its index, as separate machines would be (here all on this one). They start first so that they stop last:
+    the worker (rank 0) stops them in order when it stops."""
+    parallel, children = config.parallel, []
+    logs = cfg.to_flags(config.observability)
+    for node in range(1, parallel.nnodes):
+        argv = [sys.executable, "-m", "kvgrid.cli", "worker-rank", "--node-rank", str(node)]
+        argv += ["--distributed-init-method", parallel.distributed_init_method, *logs]
+        children.append(Child(f"worker-rank-{node}", argv, "", probe=lambda: True, stage="worker-rank"))
+    return children
+
+
+def with_rendezvous(config: cfg.Config) -> cfg.Config:
+    """Several nodes on this machine: a rendezvous on a free loopback port unless one is given."""
+    parallel = config.parallel
+    if parallel.nnodes == 1 or parallel.distributed_init_method:
+        return config
+    with socket.socket() as sock:
+        sock.bind((INTERNAL_HOST, 0))
+        port = sock.getsockname()[1]
+    method = f"tcp://{INTERNAL_HOST}:{port}"
+    return dataclasses.replace(config, parallel=dataclasses.replace(parallel, distributed_init_method=method))
 
 
 def _frontend_listens(child: Child, ports: tuple[int, int]) -> bool:
@@ -331,13 +356,13 @@ def main(config: cfg.Config) -> int:
         for line in problems:
             print(f"kvgrid serve: {line}", file=sys.stderr)
         return 1
-    config = child_config(config)
+    config = with_rendezvous(child_config(config))
     try:
         children = build_children(config)
     except ValueError as e:  # an unreadable certificate file
         print(f"kvgrid serve: {e}", file=sys.stderr)
         return 1
-    arrange_worker_threads(config, children[SERVICE_ORDER.index("worker")])
+    arrange_worker_threads(config, next(c for c in children if c.name == "worker"))
     metrics_dir = share_frontend_metrics(children)
     signals = Signals()
     say(f"starting {', '.join(c.name for c in children)} (pid {os.getpid()})")

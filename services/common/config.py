@@ -20,6 +20,7 @@ from services.common.config_sections import (  # noqa: F401 - the sections are p
     KV_TIERS,
     SCHEDULER_SECTIONS,
     TOKENIZER_SECTIONS,
+    WORKER_RANK_SECTIONS,
     WORKER_SECTIONS,
     CacheConfig,
     ChatConfig,

@@ -207,10 +207,43 @@ class ParallelConfig:
         1, "devices one worker shards the model over, one process each (must divide the attention and KV heads)"
     )
 
+    pipeline_parallel_size: int = _opt(
+        1,
+        "pipeline stages: the layers split into this many contiguous ranges, each run by --tensor-parallel-size ranks",
+    )
+    distributed_init_method: str = _opt(
+        "",
+        "rendezvous of the ranks, tcp://HOST:PORT on rank 0's host (empty: MASTER_ADDR/MASTER_PORT when set,"
+        " else a free local port)",
+    )
+    nnodes: int = _opt(
+        1,
+        "machines a worker group spreads over, equal shares of its ranks; node 0 runs rank 0, the others worker-rank",
+    )
+    node_rank: int = _opt(0, "this node's index (kvgrid worker-rank): it runs ranks node_rank*R..(node_rank+1)*R-1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def validate(self) -> list[str]:
-        if self.tensor_parallel_size < 1:
-            return [f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"]
-        return []
+        errors = []
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                errors.append(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        if errors:
+            return errors
+        if self.world_size % self.nnodes:
+            errors.append(
+                f"--nnodes {self.nnodes} must divide the {self.world_size} ranks"
+                " (--tensor-parallel-size x --pipeline-parallel-size)"
+            )
+        if self.node_rank < 0:  # its upper bound is rank 0's --nnodes, which kvgrid worker-rank reads from rank 0
+            errors.append(f"--node-rank must be >= 0, got {self.node_rank}")
+        method = self.distributed_init_method
+        if method and not re.fullmatch(r"tcp://[^:/\s]+:\d+|tcp://\[[0-9a-fA-F:]+\]:\d+", method):
+            errors.append(f"--distributed-init-method must be tcp://HOST:PORT, got {method!r}")
+        return errors
 
 
 @dataclass(slots=True)
@@ -462,6 +495,8 @@ WORKER_SECTIONS = (
     NetworkConfig,
     SecurityConfig,
 )
+# `kvgrid worker-rank`: the rendezvous and the node; everything else comes from rank 0's plan.
+WORKER_RANK_SECTIONS = (ParallelConfig, ObservabilityConfig)
 SCHEDULER_SECTIONS = (
     ModelConfig,
     CacheConfig,

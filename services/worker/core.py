@@ -15,14 +15,15 @@ from services.worker.kv_transfer import HostTier, KvTransfer, RedisTier
 from services.worker.kv_transfer.blocks import block_shape
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner, SampledRow
-from services.worker.parallel.plan import load_rank, plan_rank, tensor_parallel_size
+from services.worker.parallel.plan import describe, load_rank, plan_rank, tensor_parallel_size, world_size
 from services.worker.parallel.ranks import Ranks, start_ranks
+from services.worker.parallel.stages import StagedModel
 from services.worker.request_state import RequestState, RequestStates
 from services.worker.sampling.request_sampling import RequestSampling
 from services.worker.sampling.structured import GrammarCache
 from services.worker.setup.build import LoadedModel, create_runner, max_model_len
 from services.worker.setup.loader import ModelLoadError, eos_token_ids, load_tokenizer, tokenizer_files
-from services.worker.setup.memory import MemoryFigures
+from services.worker.setup.memory import MemoryFigures, bytes_per_block
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class WorkerCore:
     handshake: worker_pb2.HandshakeResponse
     seed: int | None
     grammars: GrammarCache
-    ranks: Ranks | None = None  # --tensor-parallel-size > 1: ranks 1..N-1, fed each step by the runner
+    ranks: Ranks | None = None  # a worker group (tensor/pipeline parallel): ranks 1..N-1, fed each step by the runner
     # Moves blocks to and from the KV tiers (--kv-tiers); None when they are off.
     kv_transfer: KvTransfer | None = None
 
@@ -87,13 +88,13 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         model_path = resolve_model(config.model.model)
     except FileNotFoundError as exc:
         raise ModelLoadError(str(exc)) from exc
-    size = tensor_parallel_size(config)
+    size, tp = world_size(config), tensor_parallel_size(config)
     ranks = None
     if size > 1:
         ranks, model_path = start_ranks(config, model_path)
     try:
         group = ranks.join_group() if ranks is not None else None
-        loaded = load_rank(config, model_path, 0, size, group)
+        loaded = load_rank(config, ranks.plan.layers if ranks else None, model_path, 0, group)
         tokenizer = load_tokenizer(loaded.source)
         max_len = max_model_len(loaded.args, loaded.hf_config, config.model.max_model_len)
         kv_cache_memory = ranks.plan.kv_cache_memory if ranks is not None else config.cache.kv_cache_memory
@@ -105,8 +106,10 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         raise
     block_size = config.cache.block_size
     if ranks is not None:
+        if ranks.plan.layers:
+            runner.model = StagedModel(runner.model, group)
         ranks.drive(runner)
-        log.info("decode steps run eagerly: no CUDA graphs with --tensor-parallel-size %d", size)
+        log.info("decode steps run eagerly: no CUDA graphs with %s", describe(config))
     elif loaded.device.type == "cuda" and loaded.attention_backend == "triton":
         if config.device.enforce_eager:
             log.info("decode steps run eagerly (--enforce-eager): no CUDA graphs")
@@ -126,7 +129,7 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         device=str(loaded.device),
         block_size=block_size,
         num_blocks=figures.num_blocks,
-        bytes_per_block=loaded.block_bytes(block_size) * size,  # all ranks' KV heads
+        bytes_per_block=group_block_bytes(loaded, block_size, tp),  # every stage's layers, all ranks' KV heads
         max_model_len=max_len,
         vocab_size=loaded.args.vocab_size,
         eos_token_ids=eos_token_ids(loaded.source, loaded.hf_config, tokenizer),
@@ -152,6 +155,13 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
     grammars = grammar_cache(handshake)
     transfer = build_kv_transfer(config, runner, handshake, metrics)
     return WorkerCore(runner, handshake, config.model.seed, grammars, ranks, transfer)
+
+
+def group_block_bytes(loaded: LoadedModel, block_size: int, tp: int) -> int:
+    """One block of the whole model's cache: all layers (every stage's), all KV heads (every shard's)."""
+    a = loaded.args
+    num_layers = loaded.hf_config.num_hidden_layers
+    return bytes_per_block(num_layers, block_size, a.num_kv_heads * tp, a.head_dim, loaded.dtype.itemsize)
 
 
 def build_kv_transfer(

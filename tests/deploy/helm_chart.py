@@ -36,13 +36,21 @@ VARIANTS = {
     # existing Secrets, cert-manager, client certificates, NetworkPolicies with restricted callers
     "security": _values("security"),
 }
+# one worker group over two pods (two pipeline stages of two tensor-parallel ranks): StatefulSets, a LeaderWorkerSet
+GROUP_CONFIG = {"KVGRID_TENSOR_PARALLEL_SIZE": "2", "KVGRID_PIPELINE_PARALLEL_SIZE": "2"}
+VARIANTS["nodes"] = {"groups": 2, "config": GROUP_CONFIG, "workerGroup": {"nodes": 2, "leaderWorkerSet": "false"}}
+VARIANTS["lws"] = {"groups": 2, "config": GROUP_CONFIG, "workerGroup": {"nodes": 2, "leaderWorkerSet": "true"}}
 # API keys in values (made per run, never committed) and the certificates' Secrets by their default names
 API_KEYS = [secrets.token_urlsafe(24) for _ in range(2)]
 VARIANTS["keys"] = {"auth": {"apiKeys": API_KEYS}, "tls": {"public": {"enabled": True}, "internal": {"enabled": True}}}
 # the command of the exec probes that dial through TLS
 HEALTHCHECK = ["python", "-m", "kvgrid.cli.healthcheck"]
 # CRDs, which kubernetes-validate has no schema for: each is checked by its own test
-CRDS = {"ServiceMonitor": "monitoring.coreos.com/v1", "Certificate": "cert-manager.io/v1"}
+CRDS = {
+    "ServiceMonitor": "monitoring.coreos.com/v1",
+    "Certificate": "cert-manager.io/v1",
+    "LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1",
+}
 
 
 def _render(chart, values: dict) -> tuple[list[dict], str]:
@@ -68,7 +76,22 @@ def _one(objects: list[dict], kind: str, component: str) -> dict:
 
 
 def _workloads(objects: list[dict]) -> list[dict]:
-    return [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+    """Deployments and StatefulSets, and a LeaderWorkerSet as two workloads: its leader's pods and its workers'."""
+    found = [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+    for lws in _kind(objects, "LeaderWorkerSet"):
+        group = lws["spec"]["leaderWorkerTemplate"]
+        for role in ("leader", "worker"):
+            metadata = {**lws["metadata"], "name": f"{lws['metadata']['name']}-{role}s"}
+            found.append(
+                {"kind": "LeaderWorkerSet", "metadata": metadata, "spec": {"template": group[f"{role}Template"]}}
+            )
+    return found
+
+
+def _runs_worker_rank(workload: dict) -> bool:
+    """A pod of a worker group's other nodes: kvgrid worker-rank serves nothing, so it has neither ports to probe
+    nor Services; it ends (and is restarted) when its group breaks."""
+    return workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "worker-rank"
 
 
 def _env(container: dict) -> dict[str, str]:

@@ -30,6 +30,7 @@ from tests.deploy.helm_chart import (  # noqa: F401
     _matches,
     _one,
     _render,
+    _runs_worker_rank,
     _values,
     _workloads,
 )
@@ -48,6 +49,8 @@ def test_chart_lints_clean(variant):
 def test_every_manifest_validates_against_kubernetes_schemas(rendered, variant, version):
     objects = rendered[variant]
     kinds = {"ConfigMap", "Deployment", "StatefulSet", "Service", "PodDisruptionBudget", "NetworkPolicy"}
+    if VARIANTS[variant].get("workerGroup", {}).get("leaderWorkerSet") == "true":  # the workers' pods are its
+        kinds = kinds - {"StatefulSet"} | {"LeaderWorkerSet"}  # (test_helm_worker_group validates its templates)
     assert kinds <= {o["kind"] for o in objects}
     for obj in objects:
         if obj["kind"] in CRDS:  # test_service_monitor_scrapes_every_service, test_cert_manager_certificates_...
@@ -127,6 +130,8 @@ def test_every_probe_points_at_an_exposed_port(rendered, variant):
     # a TCP check where clients must show a certificate: see test_probes_speak_tls_where_the_ports_do
     client_certificates = VARIANTS[variant].get("tls", {}).get("public", {}).get("clientAuth")
     for workload in _workloads(rendered[variant]):
+        if _runs_worker_rank(workload):
+            continue
         for container in workload["spec"]["template"]["spec"]["containers"]:
             numbers, names = _port_numbers(container)
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):

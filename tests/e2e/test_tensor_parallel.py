@@ -79,7 +79,7 @@ def test_a_killed_rank_takes_the_worker_down_and_the_scheduler_resumes_on_the_ne
     rank = rank_pid(services)
     subprocess.run(["kill", "-9", str(rank)], check=True)
     assert services.procs["worker"].wait(timeout=DOWN_TIMEOUT_S) == 1  # rank 0 went down with it
-    assert f"tensor-parallel rank 1 (pid {rank}) exited" in services.log("worker")
+    assert f"worker-group rank 1 (pid {rank}) exited" in services.log("worker")
     restart_worker(services)  # two ranks again
     outcomes = streams.wait()
     assert all(o.ok for o in outcomes), [(o.code, o.details) for o in outcomes]

@@ -1,5 +1,5 @@
 """Tensor-parallel sharding without processes: two ranks as two threads of this process, their
-all-reduce a barrier, rank 0 feeding rank 1 each step over a pipe as ``parallel.ranks`` does.
+all-reduce a barrier, rank 0 feeding rank 1 each step over a pipe (the real ranks get it over ``parallel.control``).
 
 The sharded model's logits equal the unsharded model's over prefill, mixed and decode steps; the
 shards have the shapes the heads and MLP width divide into; sizes that do not divide are refused.
@@ -203,8 +203,12 @@ def test_options_a_sharded_model_cannot_take_are_refused(flags, problem):
 def test_each_rank_takes_its_own_cuda_device_and_too_few_are_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    config = build_config(environ={})  # --device auto
-    assert [rank_device(config, rank, 2) for rank in range(2)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
-    with pytest.raises(ModelLoadError, match="--tensor-parallel-size 4 needs 4 CUDA devices, but 2 are visible"):
-        rank_device(config, 0, 4)
-    assert rank_device(build_config(environ={"KVGRID_DEVICE": "cpu"}), 1, 4) == torch.device("cpu")
+    config = build_config(environ={"KVGRID_TENSOR_PARALLEL_SIZE": "2"})  # --device auto
+    assert [rank_device(config, rank) for rank in range(2)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    four = build_config(environ={"KVGRID_TENSOR_PARALLEL_SIZE": "4"})
+    with pytest.raises(ModelLoadError, match="--tensor-parallel-size 4 puts 4 ranks on each node, one CUDA device"):
+        rank_device(four, 0)
+    two_nodes = build_config(environ={"KVGRID_TENSOR_PARALLEL_SIZE": "4", "KVGRID_NNODES": "2"})
+    assert [rank_device(two_nodes, rank) for rank in range(4)] == [torch.device("cuda", i) for i in (0, 1, 0, 1)]
+    cpu = build_config(environ={"KVGRID_DEVICE": "cpu", "KVGRID_TENSOR_PARALLEL_SIZE": "4"})
+    assert rank_device(cpu, 1) == torch.device("cpu")

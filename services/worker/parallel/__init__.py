@@ -1,1 +1,1 @@
-"""Tensor parallel: one worker over several devices (see ranks.py)."""
+"""Worker groups: tensor and pipeline parallel ranks of one worker, on one machine or several (see ranks.py)."""

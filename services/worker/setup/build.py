@@ -20,6 +20,7 @@ from services.worker.model_runner import ModelRunner, profile_cache_blocks
 from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
 from services.worker.models.llama_cpu import NativeCpuPath
 from services.worker.parallel.sharding import check_size, shard_args
+from services.worker.parallel.stages import stage_args
 from services.worker.quant.install import packed_bytes
 from services.worker.sampling.sampler import Sampler
 from services.worker.setup.cpu_features import detect as detect_cpu
@@ -97,11 +98,13 @@ def load_model(
     quantization: str = "none",
     tp_rank: int = 0,
     tp_size: int = 1,
+    layers: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Raises ModelLoadError (one line) for a bad path, architecture or file.
 
     ``tp_rank`` of ``tp_size``: load only that rank's share of the weights (see ``parallel/sharding.py``);
-    the returned ``args`` are the rank's shapes, so its KV cache holds only its KV heads.
+    the returned ``args`` are the rank's shapes, so its KV cache holds only its KV heads. ``layers`` [start, end):
+    only those decoder layers, a pipeline stage's (see ``parallel/stages.py``).
 
     ``upcast_matmuls`` (None: auto) multiplies half-precision weights in float32, which is what a
     CPU without bfloat16 units should do (see ``layers.linear.Linear``). ``cpu_kernels``: see
@@ -121,11 +124,15 @@ def load_model(
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc
         args = shard_args(args, tp_size)
+    if layers is not None:
+        args = stage_args(args, layers)
     try:
         backend = get_backend(attention_backend, str(torch_device))
     except (RuntimeError, ValueError, ImportError) as exc:  # e.g. TritonUnavailable: triton on a CPU
         raise ModelLoadError(f"--attention-backend {attention_backend}: {exc}") from exc
-    model = build_model(source, hf_config, args, backend, torch_dtype, torch_device, quantization, (tp_rank, tp_size))
+    model = build_model(
+        source, hf_config, args, backend, torch_dtype, torch_device, quantization, (tp_rank, tp_size), layers
+    )
     if upcast_matmuls is None:
         upcast_matmuls = torch_device.type == "cpu" and torch_dtype != torch.float32 and not detect_cpu().bf16_units
     if upcast_matmuls:

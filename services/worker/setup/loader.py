@@ -22,6 +22,7 @@ from services.worker.layers.rope import RopeError, inverse_frequencies
 from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
 from services.worker.models.registry import ARCHITECTURES, FAMILIES, family_of
 from services.worker.parallel.sharding import shard_weights
+from services.worker.parallel.stages import stage_weights
 from services.worker.quant.gguf_weights import read_gguf
 from services.worker.quant.load import quantize_loaded, quantized_weights
 from services.worker.setup.gguf_config import OWN_MODEL_TYPES, gguf_fields, hf_config_from_gguf, reads_itself
@@ -137,8 +138,10 @@ def build_model(
     device,
     quantization: str = "none",
     shard: tuple[int, int] = (0, 1),
+    layers: tuple[int, int] | None = None,
 ) -> LlamaForCausalLM:
-    """``args`` are the shapes to build; with ``shard`` (rank, size) of size > 1, those of one tensor-parallel rank."""
+    """``args`` are the shapes to build; with ``shard`` (rank, size) of size > 1, those of one tensor-parallel rank;
+    with ``layers`` [start, end), those of one pipeline stage (``args.num_layers`` is already the stage's)."""
     family = FAMILIES[hf_config.model_type]
     with torch.device("meta"):
         model = family.model(args, backend).to(dtype)
@@ -147,6 +150,8 @@ def build_model(
         with torch.no_grad():
             weights = quantized_weights(source, args, quantization) or iter_weights(source, hf_config)
             weights = family.rename(weights, args)
+            if layers is not None:
+                weights = stage_weights(weights, layers)
             model.load_weights(shard_weights(weights, *shard) if shard[1] > 1 else weights)
             quantize_loaded(model, quantization)
     except Exception as exc:
