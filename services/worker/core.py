@@ -15,6 +15,7 @@ from services.worker.kv_transfer import HostTier, KvTransfer, RedisTier
 from services.worker.kv_transfer.blocks import block_shape
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner, SampledRow
+from services.worker.multimodal.config import multimodal_config
 from services.worker.parallel.plan import load_rank, plan_rank, tensor_parallel_size
 from services.worker.parallel.ranks import Ranks, start_ranks
 from services.worker.request_state import RequestState, RequestStates
@@ -137,6 +138,7 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         worker_id=worker_id or uuid.uuid4().hex,
         load_seconds=loaded.load_seconds,
         sliding_window=loaded.args.freeing_window,
+        multimodal_config=multimodal_config(loaded.args, loaded.source.path, tokenizer),
     )
     if config.model.runner == "pooling":
         handshake.pooler.CopyFrom(

@@ -222,10 +222,11 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (k, v) pair per layer
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,  # [T, E] in place of the tokens' embeddings (image rows)
     ) -> torch.Tensor:  # [T, E] hidden states before the final norm
         if self.native_path is not None:
             return self.native_path.forward(input_ids, positions, kv_caches, meta)
-        x = self.embed_tokens.forward(input_ids)
+        x = self.embed_tokens.forward(input_ids) if inputs_embeds is None else inputs_embeds
         cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         residual = None
