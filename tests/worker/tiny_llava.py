@@ -14,6 +14,8 @@ IMAGE_SIZE = 32  # the vision tower's input side
 PATCH_SIZE = 8  # (32 / 8)^2 = 16 patches: 16 placeholder tokens per image
 NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
 VOCAB_SIZE = 320
+# Random init makes image rows tiny next to the text's: scaled up, different images lead greedy decoding apart.
+PROJECTOR_GAIN = 50.0
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}> "
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
@@ -61,6 +63,8 @@ def save_tiny_llava(path: str, seed: int = 0) -> str:
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            if name.endswith("multi_modal_projector.linear_2.weight"):
+                p.mul_(PROJECTOR_GAIN)
     model.save_pretrained(path, safe_serialization=True)
     image_processor = transformers.CLIPImageProcessor(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
