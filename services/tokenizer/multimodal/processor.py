@@ -47,7 +47,7 @@ def preprocess(image: Image.Image, settings: dict[str, Any]) -> np.ndarray:  # -
     if settings.get("do_resize", True):
         image = resize(image, settings.get("size", {"shortest_edge": 224}), int(settings.get("resample", 3)))
     array = np.asarray(image).transpose(2, 0, 1)  # [3, H, W] uint8
-    if settings.get("do_center_crop", True):
+    if settings.get("do_center_crop", "crop_size" in settings):
         crop = settings.get("crop_size", {"height": 224, "width": 224})
         array = center_crop(array, int(crop["height"]), int(crop["width"]))
     out = array.astype(np.float32)

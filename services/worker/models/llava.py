@@ -90,6 +90,8 @@ class LlavaForCausalLM(LlamaForCausalLM):
     def load_extra(self, name: str, tensor) -> set[str]:
         if not name.startswith(VISION_PREFIXES):
             return set()
+        if name.startswith("vision_tower.head."):
+            return {name}  # SigLIP's pooling head: LLaVA reads the tower's hidden states, never its pooled output
         params = dict(self.named_parameters())
         if name not in params:
             raise ValueError(f"unexpected weight {name!r} in the checkpoint")
