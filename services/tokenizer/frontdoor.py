@@ -132,7 +132,8 @@ class FrontDoor:
         ids = _tokenize(self.tokenizer, prompt, self.tools)
         mm_inputs: list = []
         if processed:
-            ids, mm_inputs = images.expand(ids, processed, prompt.field)
+            encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+            ids, mm_inputs = images.expand(ids, processed, prompt.field, encode)
         if isinstance(prompt, TokensPrompt):
             v.check_token_ids(prompt.field, ids, self.limits.vocab_size)
         v.check_prompt_length(prompt.field, len(ids), self.limits)

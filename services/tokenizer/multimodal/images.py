@@ -18,6 +18,7 @@ from PIL import Image
 
 from kvgrid.v1 import common_pb2
 from services.common.errors import InvalidArgument
+from services.tokenizer.multimodal import idefics3
 from services.tokenizer.multimodal.media import MediaPolicy
 from services.tokenizer.multimodal.processor import preprocess
 
@@ -30,15 +31,16 @@ class ImageSpec:
 
     image_token: str
     image_token_id: int
-    num_image_tokens: int
+    num_image_tokens: int  # placeholders per encoder input (an image, or an Idefics3 tile)
     processor: dict[str, Any]
+    kind: str = "llava"  # or "idefics3": images split into tiles, each with its own placeholder run
 
     @classmethod
     def from_json(cls, text: str) -> ImageSpec | None:
         if not text:
             return None
-        data = json.loads(text)
-        return cls(data["image_token"], data["image_token_id"], data["num_image_tokens"], data["image_processor"])
+        d = json.loads(text)
+        return cls(d["image_token"], d["image_token_id"], d["num_image_tokens"], d["image_processor"], d["kind"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,8 +111,10 @@ def template_takes_parts(source: str) -> bool:
 @dataclass(slots=True)
 class ProcessedImage:
     field: str
-    pixels: np.ndarray  # float32, the encoder's input
+    pixels: np.ndarray  # float32: the encoder's input [3, H, W], or Idefics3's tiles [T, 3, S, S]
     mm_hash: str
+    rows: int = 0  # Idefics3's tile grid (0 x 0: one view)
+    cols: int = 0
 
 
 class ImageInputs:
@@ -143,23 +147,25 @@ class ImageInputs:
             image = self.policy.decode(self.policy.read_url(value, field), field)
         else:
             raise InvalidArgument(field, f"an image is a URL, bytes or a PIL image, got {type(value).__name__}")
+        rows = cols = 0
         try:
-            pixels = preprocess(image, self.spec.processor)
+            if self.spec.kind == "idefics3":
+                pixels, rows, cols = idefics3.tiles(image, self.spec.processor)
+            else:
+                pixels = preprocess(image, self.spec.processor)
         except (OSError, ValueError) as exc:
             raise InvalidArgument(field, f"cannot process the image ({exc})") from None
         digest = hashlib.blake2b(pixels.tobytes(), digest_size=16)
         digest.update(repr(pixels.shape).encode())
-        return ProcessedImage(field, pixels, digest.hexdigest())
+        return ProcessedImage(field, pixels, digest.hexdigest(), rows, cols)
 
-    def expand(self, ids: list[int], images: list[ProcessedImage], field: str) -> tuple[list[int], list]:
-        """The prompt with each image token expanded to the image's run of placeholders, and the worker's inputs."""
+    def expand(self, ids: list[int], images: list[ProcessedImage], field: str, encode=None) -> tuple[list[int], list]:
+        """The prompt with each image token expanded to the image's run of placeholders, and the worker's inputs.
+        ``encode`` (text -> ids, no special tokens added) writes Idefics3's tile tags."""
         spec = self.spec
-        positions = [i for i, token in enumerate(ids) if token == spec.image_token_id]
-        if len(positions) != len(images):
-            raise InvalidArgument(
-                field,
-                f"the prompt has {len(positions)} image placeholders ({spec.image_token}) for {len(images)} images",
-            )
+        if spec.kind == "idefics3":
+            return self._expand_tiles(ids, images, field, encode)
+        positions = self._image_tokens(ids, len(images), field)
         out: list[int] = []
         inputs = []
         last = 0
@@ -175,6 +181,42 @@ class ImageInputs:
                 )
             )
             out += [spec.image_token_id] * spec.num_image_tokens
+            last = position + 1
+        out += ids[last:]
+        return out, inputs
+
+    def _image_tokens(self, ids: list[int], num_images: int, field: str) -> list[int]:
+        spec = self.spec
+        positions = [i for i, token in enumerate(ids) if token == spec.image_token_id]
+        if len(positions) != num_images:
+            raise InvalidArgument(
+                field, f"{len(positions)} image placeholders ({spec.image_token}) in the prompt for {num_images} images"
+            )
+        return positions
+
+    def _expand_tiles(self, ids: list[int], images: list[ProcessedImage], field: str, encode) -> tuple[list, list]:
+        spec = self.spec
+        positions = self._image_tokens(ids, len(images), field)
+        out: list[int] = []
+        inputs = []
+        last = 0
+        for position, image in zip(positions, images, strict=True):
+            out += ids[last:position]
+            start = len(out)
+            out += encode(idefics3.prompt_text(image.rows, image.cols, spec.image_token, spec.num_image_tokens))
+            runs = [i for i in range(start, len(out)) if out[i] == spec.image_token_id and out[i - 1] != out[i]]
+            if len(runs) != len(image.pixels):
+                raise ValueError(f"{len(runs)} placeholder runs for {len(image.pixels)} tiles")
+            for k, (offset, tile) in enumerate(zip(runs, image.pixels, strict=True)):
+                inputs.append(
+                    common_pb2.MultiModalInput(
+                        pixel_values=tile.astype("<f4").tobytes(),
+                        shape=list(tile.shape),
+                        mm_hash=f"{image.mm_hash}.{k}",
+                        offset=offset,
+                        length=spec.num_image_tokens,
+                    )
+                )
             last = position + 1
         out += ids[last:]
         return out, inputs

@@ -36,8 +36,11 @@ class VisionArgs:
 
     @classmethod
     def from_hf_config(cls, cfg) -> VisionArgs:
-        kind = "siglip" if "siglip" in cfg.model_type else "clip"
-        if kind == "clip" and cfg.model_type not in ("clip_vision_model", "clip"):
+        if cfg.model_type in ("clip_vision_model", "clip"):
+            kind = "clip"
+        elif cfg.model_type in ("siglip_vision_model", "siglip", "idefics3_vision"):
+            kind = "siglip"
+        else:
             raise ValueError(f"vision tower {cfg.model_type!r} is not supported (CLIP or SigLIP)")
         act = cfg.hidden_act
         if act not in ACTIVATIONS:

@@ -10,6 +10,7 @@ import json
 import os
 from typing import Any
 
+from services.worker.models.idefics3 import Idefics3Args
 from services.worker.models.llava import LlavaArgs
 
 PROCESSOR_KEYS = (
@@ -24,6 +25,8 @@ PROCESSOR_KEYS = (
     "image_mean",
     "image_std",
     "do_convert_rgb",
+    "do_image_splitting",
+    "max_image_size",
 )
 
 
@@ -44,11 +47,11 @@ def image_processor_settings(model_dir: str) -> dict[str, Any]:
 
 def multimodal_config(args: Any, model_dir: str, tokenizer) -> str:
     """The handshake's ``multimodal_config`` ('' for a text model)."""
-    if not isinstance(args, LlavaArgs):
+    if not isinstance(args, LlavaArgs | Idefics3Args):
         return ""
     return json.dumps(
         {
-            "kind": "llava",
+            "kind": "llava" if isinstance(args, LlavaArgs) else "idefics3",
             "image_token": tokenizer.convert_ids_to_tokens(args.image_token_id),
             "image_token_id": args.image_token_id,
             "num_image_tokens": args.num_image_tokens,
