@@ -39,12 +39,15 @@ def huge_png_header(width: int = 20000, height: int = 20000) -> bytes:
 
 
 class LlavaReference:
-    def __init__(self, path: str):
+    """transformers' model (``architecture``) and processor in float32."""
+
+    def __init__(self, path: str, architecture: str = "LlavaForConditionalGeneration"):
         import torch
         import transformers
 
         self.processor = transformers.AutoProcessor.from_pretrained(path)
-        self.model = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+        model_class = getattr(transformers, architecture)
+        self.model = model_class.from_pretrained(path, dtype=torch.float32).eval()
         self._cache: dict = {}
 
     def greedy(self, images: list[Image.Image], text: str, max_new_tokens: int, eos_ids: list[int]) -> list[int]:
