@@ -28,6 +28,7 @@ class AdmissionLimits:
     max_waiting_requests: int
     window_fits: bool = False  # blocks behind a sliding window are freed: a prompt longer than the pool fits
     pooling: bool = False  # the worker is a pooling runner: pooling requests only (and only they)
+    takes_images: bool = False  # the worker serves a vision-language model
 
     @property
     def pool_tokens(self) -> int:
@@ -63,6 +64,8 @@ def admit(msg: scheduler_pb2.SubmitRequest, limits: AdmissionLimits, live: Conta
             f"prompt_token_ids: the prompt has {num_prompt} tokens and needs {cdiv(num_prompt + 1, limits.block_size)}"
             f" KV blocks of {limits.block_size} tokens, but the worker's whole pool has {limits.num_blocks}"
         )
+    if msg.mm_inputs and not limits.takes_images:
+        raise InvalidArgument("mm_inputs", "the served model takes text only, no images")
     spans = mm_spans(msg, num_prompt)
     if num_waiting >= limits.max_waiting_requests:
         raise ResourceExhausted(f"the waiting queue is full ({num_waiting} requests); retry later")

@@ -79,6 +79,7 @@ class WorkerCore:
             self.max_model_len,
             make_sampling,
             pooling=self.handshake.HasField("pooler"),
+            takes_images=self.runner.encoder_cache is not None,
         )
 
 

@@ -155,12 +155,13 @@ class ModelRunner:
             and len(inputs.sampling_requests) == meta.num_seqs
         ):
             return graphs.run(inputs.input_ids, inputs.positions, meta), []  # every row samples, in batch order
-        embeds = None
-        if inputs.image_slices is not None:
+        if inputs.image_slices is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)  # [T, E]
+        else:
             if self.encoder_cache is None:
                 raise ValueError("a request has images but the model takes text only")
             embeds = self.encoder_cache.embed(self.model.embed_tokens.forward(inputs.input_ids), inputs.image_slices)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, embeds)  # [T, E]
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, embeds)
         if prompt_rows is not None:
             prompt_rows.compute(self.model.compute_logits, hidden)
         pooled = []

@@ -50,6 +50,7 @@ class RequestStates:
         max_model_len: int,
         make_sampling: SamplingFactory,
         pooling: bool = False,
+        takes_images: bool = False,
     ):
         """``pooling``: the worker runs the model as a pooling model (--runner pooling) and takes pooling requests
         only; otherwise generation requests only."""
@@ -59,6 +60,7 @@ class RequestStates:
         self.max_model_len = max_model_len
         self.make_sampling = make_sampling
         self.pooling = pooling
+        self.takes_images = takes_images  # a vision-language model: requests may carry images
         self.requests: dict[str, RequestState] = {}
 
     def apply(self, plan: worker_pb2.StepPlan) -> list[RequestState]:
@@ -121,6 +123,8 @@ class RequestStates:
             raise InvalidArgument("new_requests.token_ids", f"{rid}: token id past the vocabulary ({self.vocab_size})")
         self._check_blocks(rid, "new_requests.block_ids", new.block_ids)
         self._check_pooling(new)
+        if new.mm_inputs and not self.takes_images:
+            raise InvalidArgument("new_requests.mm_inputs", f"{rid}: the model takes text only, no images")
         for m in new.mm_inputs:
             ImageInput.from_proto(rid, m, new.num_prompt_tokens)
         self._check_span(rid, "new_requests", new.num_computed_tokens, new.num_scheduled_tokens, n, len(new.block_ids))

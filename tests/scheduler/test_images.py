@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.common import kv_keys
 from services.common.block_hash import mm_block_keys
 from services.scheduler.prefix_hash import extend_block_hashes
@@ -76,3 +78,21 @@ def test_an_image_larger_than_the_budget_runs_alone():
     out, _ = d.step()
     assert [(p.request.request_id, p.num_scheduled_tokens) for p in out.new_requests] == [("a", 4)]
     d.run()
+
+
+def test_a_text_model_refuses_images_at_admission():
+    from kvgrid.v1 import common_pb2, scheduler_pb2
+    from services.common.errors import InvalidArgument
+    from services.scheduler.admission import AdmissionLimits, admit
+
+    image = common_pb2.MultiModalInput(mm_hash="a", offset=1, length=2, shape=[1], pixel_values=b"\0" * 4)
+    msg = scheduler_pb2.SubmitRequest(request_id="r", prompt_token_ids=[1, 2, 3, 4], mm_inputs=[image])
+    limits = AdmissionLimits(max_model_len=64, num_blocks=8, block_size=4, vocab_size=100, max_waiting_requests=8)
+    with pytest.raises(InvalidArgument, match="text only"):
+        admit(msg, limits, live=(), num_waiting=0)
+    limits.takes_images = True
+    assert admit(msg, limits, live=(), num_waiting=0).mm_spans == [(1, 2, "a")]
+    bad = scheduler_pb2.SubmitRequest(request_id="s", prompt_token_ids=[1, 2, 3, 4], mm_inputs=[image, image])
+    with pytest.raises(InvalidArgument) as caught:
+        admit(bad, limits, live=(), num_waiting=0)
+    assert caught.value.field == "mm_inputs[1]"  # its run starts inside the first image's
