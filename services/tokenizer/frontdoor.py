@@ -146,7 +146,7 @@ class FrontDoor:
         """The prompt as the tokenizer reads it (chat: image parts as the template takes them) and its images."""
         if isinstance(prompt, TextPrompt) and prompt.images:
             return prompt, [ImageSource(f"multi_modal_data.image[{i}]", x) for i, x in enumerate(prompt.images)]
-        if not isinstance(prompt, ChatPrompt) or not any(isinstance(m.get("content"), list) for m in prompt.messages):
+        if not isinstance(prompt, ChatPrompt) or not _has_images(prompt):
             return prompt, []
         messages, sources = split_images(prompt.messages, prompt.field)
         template = self.tokenizer.chat_template
@@ -197,9 +197,9 @@ class FrontDoor:
         check builds it against the vocabulary: milliseconds, up to the fuel budget, once per distinct spec)."""
         check_prompt_size(prompt, self.limits.max_prompt_chars)  # refused here: no thread for a prompt never read
         constrained = sampling.WhichOneof("structured_output") is not None or _tool_constrained(prompt)
-        if num_chars(prompt) < LONG_INPUT_CHARS and not constrained:
+        if num_chars(prompt) < LONG_INPUT_CHARS and not constrained and not _has_images(prompt):
             return self.prepare(prompt, sampling, request_id)
-        return await asyncio.to_thread(self.prepare, prompt, sampling, request_id)
+        return await asyncio.to_thread(self.prepare, prompt, sampling, request_id)  # images are decoded there too
 
 
 def tokenize(tokenizer: TextTokenizer, prompt: Prompt, max_chars: int | None = None) -> list[int]:
@@ -217,6 +217,12 @@ async def tokenize_async(tokenizer: TextTokenizer, prompt: Prompt, max_chars: in
     if num_chars(prompt) < LONG_INPUT_CHARS:
         return _tokenize(tokenizer, prompt)
     return await asyncio.to_thread(_tokenize, tokenizer, prompt)
+
+
+def _has_images(prompt: Prompt) -> bool:
+    if isinstance(prompt, TextPrompt):
+        return bool(prompt.images)
+    return isinstance(prompt, ChatPrompt) and any(isinstance(m.get("content"), list) for m in prompt.messages)
 
 
 def _tool_constrained(prompt: Prompt) -> bool:
