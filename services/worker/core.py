@@ -152,6 +152,8 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         log.info("pooling runner: %s pooling, normalize %s", config.model.pooling_type, config.model.normalize)
     if metrics is not None:
         record_metrics(metrics, loaded, figures)
+        if runner.encoder_cache is not None:
+            metrics.watch_encoder_cache(runner.encoder_cache)
     grammars = grammar_cache(handshake)
     transfer = build_kv_transfer(config, runner, handshake, metrics)
     return WorkerCore(runner, handshake, config.model.seed, grammars, ranks, transfer)

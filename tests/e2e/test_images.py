@@ -176,3 +176,15 @@ def test_bad_image_bytes_over_grpc_are_invalid_argument_and_the_stack_serves_on(
     assert "messages[0].images[1]" in caught.value.details()
     _, ids = chat(stub, [RED])
     assert strip_eos(ids, eos_ids) == strip_eos(ref.greedy([RED], TEXT, MAX_TOKENS, eos_ids), eos_ids)
+
+
+def test_the_worker_reports_its_encoder_cache(stack, stub):
+    chat(stub, [RED])
+    text = httpx.get(f"http://127.0.0.1:{stack.ports['--worker-metrics-port']}/metrics", timeout=10).text
+    values = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("kvgrid_worker_encoder_")
+    }
+    assert values["kvgrid_worker_encoder_inputs_encoded"] >= 1
+    assert values["kvgrid_worker_encoder_cache_bytes"] > 0
