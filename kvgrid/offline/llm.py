@@ -42,14 +42,17 @@ from services.scheduler.admission import admit
 from services.scheduler.request import Request
 from services.tokenizer import validation as v
 from services.tokenizer.frontdoor import ChatPrompt, EngineRequest, FrontDoor, TextPrompt, TokensPrompt
+from services.tokenizer.multimodal.images import ImageInputs, ImageSpec
+from services.tokenizer.multimodal.media import MediaPolicy
 from services.tokenizer.openai.tools.types import ToolRequest
 from services.tokenizer.text_tokenizer import TextTokenizer, read_tokenizer_dir
 from services.worker.core import build_core
 
 log = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
-Conversation = Sequence[dict[str, str]]
+# Text, token ids, or vLLM's {"prompt": text, "multi_modal_data": {"image": PIL image or a list of them}}.
+Prompt = str | Sequence[int] | dict
+Conversation = Sequence[dict]
 
 
 @dataclass(slots=True)
@@ -107,7 +110,10 @@ class LLM:
             vocab_size=info.vocab_size or self.tokenizer.vocab_size,
             max_prompt_chars=config.limits.max_prompt_chars if config.limits is not None else 0,
         )
-        self.front_door = FrontDoor(self.tokenizer, limits, info.pooler if info.HasField("pooler") else None)
+        media = MediaPolicy.from_limits(config.limits) if config.limits is not None else MediaPolicy()
+        images = ImageInputs(ImageSpec.from_json(info.multimodal_config), media)
+        pooler = info.pooler if info.HasField("pooler") else None
+        self.front_door = FrontDoor(self.tokenizer, limits, pooler, images=images)
         self._next_id = 0
 
     @property
@@ -127,7 +133,7 @@ class LLM:
         """One result per prompt, in order. A prompt is text or a list of token ids; ``sampling_params`` is one
         for all prompts or one per prompt. Every request is checked before any runs: ValueError names the first
         bad one."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
         prepared = [_indexed(i, self.prepare, p, s) for i, (p, s) in enumerate(zip(prompts, params, strict=True))]
@@ -199,7 +205,10 @@ class LLM:
 
     def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
         """Check and tokenize one prompt; ValueError with the frontend's message when the request is invalid."""
-        given = TextPrompt(prompt) if isinstance(prompt, str) else TokensPrompt(list(prompt))
+        if isinstance(prompt, dict):
+            given = text_prompt(prompt)
+        else:
+            given = TextPrompt(prompt) if isinstance(prompt, str) else TokensPrompt(list(prompt))
         return self._through_front_door(given, params)
 
     def prepare_chat(
@@ -222,6 +231,7 @@ class LLM:
             prompt_token_ids=engine_request.prompt_ids,
             sampling=engine_request.scheduler_sampling(),
             pooling=engine_request.pooling,
+            mm_inputs=engine_request.mm_inputs,
         )
         request = admit(submit, self.engine.admission, live=(), num_waiting=0)
         self._next_id += 1
@@ -279,6 +289,15 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int
     if len(params) != n:
         raise ValueError(f"sampling_params: {len(params)} given for {n} prompts (give one, or one per prompt)")
     return params
+
+
+def text_prompt(prompt: dict) -> TextPrompt:
+    """vLLM's prompt dict: ``prompt`` text and its images in ``multi_modal_data``."""
+    text = prompt.get("prompt")
+    if not isinstance(text, str):
+        raise ValueError('a prompt dict has the text in "prompt"')
+    images = (prompt.get("multi_modal_data") or {}).get("image", [])
+    return TextPrompt(text, images=list(images) if isinstance(images, list | tuple) else [images])
 
 
 def _indexed(i: int, prepare, item, params, *extra) -> PreparedRequest:

@@ -125,3 +125,17 @@ class PoolingParams(_message.Message):
     normalize: bool
     dimensions: int
     def __init__(self, pooling_type: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ...) -> None: ...
+
+class MultiModalInput(_message.Message):
+    __slots__ = ("pixel_values", "shape", "mm_hash", "offset", "length")
+    PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    MM_HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    pixel_values: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    mm_hash: str
+    offset: int
+    length: int
+    def __init__(self, pixel_values: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...

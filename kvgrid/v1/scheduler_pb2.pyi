@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "trace_context", "pooling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "trace_context", "pooling", "mm_inputs")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -23,13 +23,15 @@ class SubmitRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    MM_INPUTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     priority: int
     trace_context: _containers.ScalarMap[str, str]
     pooling: _common_pb2.PoolingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., pooling: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ...) -> None: ...
+    mm_inputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.MultiModalInput]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., pooling: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., mm_inputs: _Optional[_Iterable[_Union[_common_pb2.MultiModalInput, _Mapping]]] = ...) -> None: ...
 
 class FrontendMessage(_message.Message):
     __slots__ = ("submits", "aborts")

@@ -15,6 +15,14 @@ from collections.abc import Sequence
 ROOT = 0
 
 
+def mm_block_keys(mm_spans: Sequence[tuple[int, int, str]], start: int, end: int) -> tuple:
+    """The extra keys of the block of positions [start, end) from the prompt's images, each an (offset, length,
+    content hash) span of placeholder tokens: (hash, where the image's run starts relative to the block) for each
+    image the block overlaps. Placeholders are equal tokens whatever the image, so only these keys tell two
+    images apart: the same image hits, another with the same placeholders never does."""
+    return tuple((h, offset - start) for offset, length, h in mm_spans if offset < end and offset + length > start)
+
+
 def chain_hash(parent: int | None, token_ids: tuple[int, ...], extra_keys: tuple = ()) -> int:
     # hash() of a tuple of ints is the same in every process: PYTHONHASHSEED only salts str/bytes.
     return hash((ROOT if parent is None else parent, token_ids, extra_keys))

@@ -4,6 +4,7 @@ also a ``KVGRID_*`` variable. ``config`` builds them from flags, the environment
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -413,8 +414,33 @@ class LimitsConfig:
         " on /tokenize too (0: 128 characters per token of the model's maximum length, more than any token holds)",
     )
 
+    allowed_local_media_path: str = _opt(
+        "", "directory whose image files chat requests may name (file: URLs or paths); empty: no local files"
+    )
+    allowed_media_domains: str = _opt(
+        "", "comma-separated hosts whose http(s) image URLs the frontend fetches; empty: no URL is fetched"
+    )
+    limit_mm_per_prompt: str = _opt('{"image": 4}', "most images in one request, as JSON (vLLM's form)")
+    max_image_pixels: int = _opt(4096 * 4096, "most pixels (width x height) of one image, read before decoding")
+    max_image_bytes: int = _opt(10 * 2**20, "largest encoded image", parse=parse_bytes)
+
+    def max_images(self) -> int:
+        return int(json.loads(self.limit_mm_per_prompt).get("image", 0))
+
+    def media_domains(self) -> tuple[str, ...]:
+        return tuple(d.strip().lower() for d in self.allowed_media_domains.split(",") if d.strip())
+
     def validate(self) -> list[str]:
         errors = []
+        try:
+            if self.max_images() < 0:
+                raise ValueError("negative")
+        except (ValueError, TypeError, AttributeError):
+            errors.append(f'--limit-mm-per-prompt is JSON like {{"image": 4}}, got {self.limit_mm_per_prompt!r}')
+        if self.max_image_pixels <= 0 or self.max_image_bytes <= 0:
+            errors.append("--max-image-pixels and --max-image-bytes must be > 0")
+        if self.allowed_local_media_path and not os.path.isdir(self.allowed_local_media_path):
+            errors.append(f"--allowed-local-media-path {self.allowed_local_media_path!r} is not a directory")
         if self.max_request_bytes <= 0:
             errors.append(f"--max-request-bytes must be > 0, got {self.max_request_bytes}")
         if self.max_prompt_chars < 0:

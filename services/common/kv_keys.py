@@ -14,6 +14,8 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+from services.common.block_hash import mm_block_keys
+
 # Bump when the byte layout of a stored block changes: old values then never match.
 LAYOUT_VERSION = 1
 KEY_PREFIX = "kvgrid:kv:"
@@ -24,13 +26,24 @@ def namespace(model: str, dtype: str, block_size: int, bytes_per_block: int) -> 
     return f"{model}|{dtype}|bs={block_size}|bytes={bytes_per_block}|layout={LAYOUT_VERSION}"
 
 
-def extend_keys(keys: list[str], ns: str, token_ids: Sequence[int], block_size: int, limit: int) -> list[str]:
-    """Append the keys of full blocks of ``token_ids`` not keyed yet, up to ``limit`` blocks; returns ``keys``."""
+def extend_keys(
+    keys: list[str],
+    ns: str,
+    token_ids: Sequence[int],
+    block_size: int,
+    limit: int,
+    mm_spans: Sequence[tuple[int, int, str]] = (),
+) -> list[str]:
+    """Append the keys of full blocks of ``token_ids`` not keyed yet, up to ``limit`` blocks; returns ``keys``.
+    A block that covers image placeholders (``mm_spans``: offset, length, image hash) has the images in its key."""
     num_full = min(len(token_ids) // block_size, limit)
     parent = bytes.fromhex(keys[-1][len(KEY_PREFIX) :]) if keys else ns.encode()
     for i in range(len(keys), num_full):
         block = token_ids[i * block_size : (i + 1) * block_size]
-        digest = hashlib.blake2b(parent + struct.pack(f"<{block_size}I", *block), digest_size=20).digest()
+        data = parent + struct.pack(f"<{block_size}I", *block)
+        for mm_hash, rel in mm_block_keys(mm_spans, i * block_size, (i + 1) * block_size):
+            data += f"|img:{mm_hash}@{rel}".encode()
+        digest = hashlib.blake2b(data, digest_size=20).digest()
         keys.append(KEY_PREFIX + digest.hex())
         parent = digest
     return keys

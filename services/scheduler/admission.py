@@ -28,6 +28,7 @@ class AdmissionLimits:
     max_waiting_requests: int
     window_fits: bool = False  # blocks behind a sliding window are freed: a prompt longer than the pool fits
     pooling: bool = False  # the worker is a pooling runner: pooling requests only (and only they)
+    takes_images: bool = False  # the worker serves a vision-language model
 
     @property
     def pool_tokens(self) -> int:
@@ -63,6 +64,9 @@ def admit(msg: scheduler_pb2.SubmitRequest, limits: AdmissionLimits, live: Conta
             f"prompt_token_ids: the prompt has {num_prompt} tokens and needs {cdiv(num_prompt + 1, limits.block_size)}"
             f" KV blocks of {limits.block_size} tokens, but the worker's whole pool has {limits.num_blocks}"
         )
+    if msg.mm_inputs and not limits.takes_images:
+        raise InvalidArgument("mm_inputs", "the served model takes text only, no images")
+    spans = mm_spans(msg, num_prompt)
     if num_waiting >= limits.max_waiting_requests:
         raise ResourceExhausted(f"the waiting queue is full ({num_waiting} requests); retry later")
     return Request(
@@ -76,4 +80,19 @@ def admit(msg: scheduler_pb2.SubmitRequest, limits: AdmissionLimits, live: Conta
         wants_prompt_logprobs=msg.sampling.HasField("prompt_logprobs"),
         pooling=pooling,
         skip_prefix_cache=pooling is not None and pooling.pooling_type != "last",
+        mm_inputs=list(msg.mm_inputs),
+        mm_spans=spans,
     )
+
+
+def mm_spans(msg: scheduler_pb2.SubmitRequest, num_prompt: int) -> list[tuple[int, int, str]]:
+    """The images' placeholder runs (offset, length, hash): in prompt order, within the prompt, not overlapping."""
+    spans, end = [], 0
+    for i, image in enumerate(msg.mm_inputs):
+        if not image.mm_hash or not image.length or image.offset < end or image.offset + image.length > num_prompt:
+            raise InvalidArgument(
+                f"mm_inputs[{i}]", "an image needs a hash and a run of placeholders within the prompt, after the last"
+            )
+        spans.append((image.offset, image.length, image.mm_hash))
+        end = image.offset + image.length
+    return spans

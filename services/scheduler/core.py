@@ -82,6 +82,7 @@ class SchedulerCore:
             max_waiting_requests=sched.max_waiting_requests,
             window_fits=kv.window_fits(limits.max_num_batched_tokens),
             pooling=info.HasField("pooler"),
+            takes_images=bool(info.multimodal_config),
         )
         return cls(Scheduler(limits, kv, info.eos_token_ids, tiers), admission, metrics)
 

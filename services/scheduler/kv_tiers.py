@@ -283,7 +283,7 @@ class KvTiers:
 
     def keys(self, request: Request, num_blocks: int) -> list[str]:
         return kv_keys.extend_keys(
-            request.tier_keys, self.namespace, request.all_token_ids, self.block_size, num_blocks
+            request.tier_keys, self.namespace, request.all_token_ids, self.block_size, num_blocks, request.mm_spans
         )
 
     def stats(self) -> list[scheduler_pb2.KvTierStats]:

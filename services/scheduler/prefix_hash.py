@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.block_hash import chain_hash
+from services.common.block_hash import chain_hash, mm_block_keys
 
 
 @dataclass(slots=True, frozen=True)
@@ -29,12 +29,19 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_
 
 
 def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_keys: tuple = (),
+    mm_spans: Sequence[tuple[int, int, str]] = (),
 ) -> list[BlockHash]:
-    """Append the hashes of the full blocks of ``token_ids`` not hashed yet; returns ``hashes``."""
+    """Append the hashes of the full blocks of ``token_ids`` not hashed yet; returns ``hashes``. ``extra_keys``
+    go into every block's hash; ``mm_spans`` (offset, length, image hash) into the blocks each image overlaps."""
     num_full = len(token_ids) // block_size
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full):
-        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+        start, end = i * block_size, (i + 1) * block_size
+        keys = extra_keys + mm_block_keys(mm_spans, start, end) if mm_spans else extra_keys
+        parent = hash_block_tokens(parent, token_ids[start:end], keys)
         hashes.append(parent)
     return hashes

@@ -50,6 +50,10 @@ class Request:
     pooling: Any = None
     # Every prompt token must be computed (no prefix-cache hit): mean and cls pooling read all of them.
     skip_prefix_cache: bool = False
+    # The prompt's images: opaque inputs for the worker (MultiModalInput messages in the service), and their
+    # placeholder runs as (offset, length, content hash), which key the prefix cache and the encoder budget.
+    mm_inputs: list[Any] = field(default_factory=list)
+    mm_spans: list[tuple[int, int, str]] = field(default_factory=list)
 
     status: RequestStatus = RequestStatus.WAITING
     # Prompt followed by outputs; the last token has no K/V yet once anything was sampled.

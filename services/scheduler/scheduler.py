@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.scheduler.encoder_budget import EncoderBudget
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_tiers import KvTiers, TierBlock
 from services.scheduler.plan_steps import PlanSteps
@@ -187,6 +188,7 @@ class Scheduler:
         # request_id -> plan, in scheduling order; a priority preemption may take one back out.
         planned: dict[str, RunningRequestPlan] = {}
         steps = self.plan_steps.count(self.running, len(self.waiting), budget, self.max_seq_len)
+        encoder = EncoderBudget(budget)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -197,6 +199,11 @@ class Scheduler:
                 continue
             if num_new > budget:
                 num_new = budget
+            if request.mm_spans:
+                num_new = encoder.fit(request.mm_spans, request.num_computed_tokens, num_new, first=False)
+                if not num_new:
+                    i += 1  # its next image waits for a step with encoder budget left
+                    continue
             if steps > 1 and not self.kv.allocate_slots(request, steps):
                 steps = 1  # the pool cannot hold the plan's tokens: one step, preempting as a step does
             while not self.kv.allocate_slots(request, num_new):
@@ -235,7 +242,7 @@ class Scheduler:
             out.num_steps = steps
 
         if not out.preempted_ids:
-            self._admit_waiting(out, self.limits.max_num_batched_tokens - out.total_num_scheduled_tokens)
+            self._admit_waiting(out, self.limits.max_num_batched_tokens - out.total_num_scheduled_tokens, encoder)
 
         out.finished_ids = self._drop_on_worker
         self._drop_on_worker = []
@@ -243,7 +250,7 @@ class Scheduler:
             out.kv_saves = self.tiers.take_saves()
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, encoder: EncoderBudget) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             request = self.waiting.peek()
             readable = not needs_prompt_logprobs(request)  # a prompt being scored is computed whole
@@ -254,6 +261,10 @@ class Scheduler:
                 self.tiers.pin(request, len(hit_blocks), loads)
             num_loaded = len(loads) * self.kv.block_size
             num_new = min(request.num_tokens - num_hit - num_loaded, budget)
+            if request.mm_spans:
+                num_new = encoder.fit(request.mm_spans, num_hit + num_loaded, num_new, first=True)
+                if not num_new:
+                    break  # its first image waits for a step with encoder budget left
             if not self.kv.allocate_slots(request, num_loaded + num_new, hit_blocks):
                 break
             self.waiting.pop()

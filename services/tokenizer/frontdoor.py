@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from dataclasses import field as _field
 
 from kvgrid.v1 import common_pb2, generate_pb2, worker_pb2
 from services.common import pooling
 from services.common.errors import InvalidArgument
 from services.tokenizer import validation as v
+from services.tokenizer.multimodal.images import ImageInputs, ImageSource, split_images, template_takes_parts, text_of
+from services.tokenizer.multimodal.images import for_template as images_for_template
+from services.tokenizer.multimodal.media import MediaPolicy
 from services.tokenizer.openai.tools.parser import ToolParser
 from services.tokenizer.openai.tools.support import ToolSupport, check_tools, needs_tool_template
 from services.tokenizer.openai.tools.types import ToolRequest
@@ -40,6 +44,7 @@ class TextPrompt:
     text: str
     field: str = "prompt"
     add_special_tokens: bool = True
+    images: list = _field(default_factory=list)  # each a URL, encoded bytes or a PIL image, for its image token
 
 
 @dataclass(slots=True)
@@ -72,6 +77,7 @@ class EngineRequest:
     prompt_text: str | None = None  # the prompt as text, when it was given as text
     pooling: common_pb2.PoolingParams | None = None  # a pooling request's params, resolved (no sampling then)
     tool_parser: ToolParser | None = None  # set when the output is to be read for tool calls
+    mm_inputs: list = field(default_factory=list)  # the prompt's images (common_pb2.MultiModalInput), in order
 
     def scheduler_sampling(self) -> common_pb2.SamplingParams:
         """The sampling params the scheduler gets: max_tokens explicit, stop strings left to the frontend."""
@@ -85,7 +91,14 @@ class EngineRequest:
     def with_sampling(self, request_id: str, sampling: common_pb2.SamplingParams) -> EngineRequest:
         """The same prompt as another choice (its own id and, for a seeded request, its own seed)."""
         return EngineRequest(
-            request_id, self.prompt_ids, sampling, self.max_tokens, self.prompt_text, self.pooling, self.tool_parser
+            request_id,
+            self.prompt_ids,
+            sampling,
+            self.max_tokens,
+            self.prompt_text,
+            self.pooling,
+            self.tool_parser,
+            self.mm_inputs,
         )
 
 
@@ -97,6 +110,7 @@ class FrontDoor:
     limits: v.ModelLimits
     pooler: worker_pb2.PoolerConfig | None = None  # a pooling server's defaults (--runner pooling); None: generate
     tools: ToolSupport = field(default_factory=ToolSupport.named)
+    images: ImageInputs | None = None  # the served model's image processing; None: text only
 
     def prepare(self, prompt: Prompt, sampling: common_pb2.SamplingParams, request_id: str) -> EngineRequest:
         """Raises ``InvalidArgument`` naming the first bad field: request id, tools, sampling, prompt, length.
@@ -112,14 +126,37 @@ class FrontDoor:
         v.check_sampling(sampling, self.limits)
         if isinstance(prompt, TextPrompt) and prompt.text == "":
             raise InvalidArgument(prompt.field, "empty: give text or token ids")
+        prompt, sources = self._take_images(prompt)
+        images = self.images or ImageInputs(None, MediaPolicy())
+        processed = images.process(sources)
         ids = _tokenize(self.tokenizer, prompt, self.tools)
+        mm_inputs: list = []
+        if processed:
+            encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+            ids, mm_inputs = images.expand(ids, processed, prompt.field, encode)
         if isinstance(prompt, TokensPrompt):
             v.check_token_ids(prompt.field, ids, self.limits.vocab_size)
         v.check_prompt_length(prompt.field, len(ids), self.limits)
         room = self.limits.max_model_len - len(ids)
         max_tokens = min(sampling.max_tokens or v.DEFAULT_MAX_TOKENS, room)
         text = prompt.text if isinstance(prompt, TextPrompt) else None
-        return EngineRequest(request_id, ids, sampling, max_tokens, text, tool_parser=parser)
+        return EngineRequest(request_id, ids, sampling, max_tokens, text, tool_parser=parser, mm_inputs=mm_inputs)
+
+    def _take_images(self, prompt: Prompt) -> tuple[Prompt, list[ImageSource]]:
+        """The prompt as the tokenizer reads it (chat: image parts as the template takes them) and its images."""
+        if isinstance(prompt, TextPrompt) and prompt.images:
+            return prompt, [ImageSource(f"multi_modal_data.image[{i}]", x) for i, x in enumerate(prompt.images)]
+        if not isinstance(prompt, ChatPrompt) or not _has_images(prompt):
+            return prompt, []
+        messages, sources = split_images(prompt.messages, prompt.field)
+        template = self.tokenizer.chat_template
+        spec = self.images.spec if self.images is not None else None
+        if spec is not None or not sources:
+            token = spec.image_token if spec is not None else ""
+            messages = images_for_template(
+                messages, token, template is not None and template_takes_parts(template.source)
+            )
+        return ChatPrompt(messages, prompt.field, prompt.tools), sources
 
     def prepare_pooling(
         self, prompts: list[Prompt], params: common_pb2.PoolingParams, request_id: str
@@ -160,9 +197,9 @@ class FrontDoor:
         check builds it against the vocabulary: milliseconds, up to the fuel budget, once per distinct spec)."""
         check_prompt_size(prompt, self.limits.max_prompt_chars)  # refused here: no thread for a prompt never read
         constrained = sampling.WhichOneof("structured_output") is not None or _tool_constrained(prompt)
-        if num_chars(prompt) < LONG_INPUT_CHARS and not constrained:
+        if num_chars(prompt) < LONG_INPUT_CHARS and not constrained and not _has_images(prompt):
             return self.prepare(prompt, sampling, request_id)
-        return await asyncio.to_thread(self.prepare, prompt, sampling, request_id)
+        return await asyncio.to_thread(self.prepare, prompt, sampling, request_id)  # images are decoded there too
 
 
 def tokenize(tokenizer: TextTokenizer, prompt: Prompt, max_chars: int | None = None) -> list[int]:
@@ -182,6 +219,12 @@ async def tokenize_async(tokenizer: TextTokenizer, prompt: Prompt, max_chars: in
     return await asyncio.to_thread(_tokenize, tokenizer, prompt)
 
 
+def _has_images(prompt: Prompt) -> bool:
+    if isinstance(prompt, TextPrompt):
+        return bool(prompt.images)
+    return isinstance(prompt, ChatPrompt) and any(isinstance(m.get("content"), list) for m in prompt.messages)
+
+
 def _tool_constrained(prompt: Prompt) -> bool:
     return isinstance(prompt, ChatPrompt) and prompt.tools is not None and prompt.tools.active
 
@@ -196,7 +239,7 @@ def _tokenize(tokenizer: TextTokenizer, prompt: Prompt, tools: ToolSupport | Non
         return ids
     if isinstance(prompt, ChatPrompt):
         for i, m in enumerate(prompt.messages):
-            v.check_text(f"{prompt.field}[{i}].content", m.get("content") or "")
+            v.check_text(f"{prompt.field}[{i}].content", text_of(m.get("content")))
         if tokenizer.chat_template is None:
             raise InvalidArgument(prompt.field, "the model's tokenizer has no chat template; send a plain prompt")
         offered = prompt.tools.tools if prompt.tools is not None else []  # with tool_choice none too, as OpenAI
@@ -226,7 +269,8 @@ def check_messages(field: str, messages: list[dict]) -> None:
     """Chat messages as dicts: each a ``{"role": ..., "content": "..."}`` with a known role."""
     roles = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content", ""), str) or not isinstance(m.get("role"), str):
+        content = m.get("content", "") if isinstance(m, dict) else None
+        if not isinstance(content, str | list) or not isinstance(m.get("role"), str):
             raise InvalidArgument(f"{field}[{i}]", 'each message is {"role": "...", "content": "..."}')
         v.check_text(f"{field}[{i}].role", m["role"])
         roles.append(generate_pb2.ChatMessage(role=m["role"]))  # the content is checked (and copied) by no one here
@@ -238,5 +282,5 @@ def num_chars(prompt: Prompt) -> int:
     if isinstance(prompt, TextPrompt):
         return len(prompt.text) if isinstance(prompt.text, str) else 0
     if isinstance(prompt, ChatPrompt):
-        return sum(len(m.get("content") or "") for m in prompt.messages if isinstance(m, dict))
+        return sum(len(text_of(m.get("content"))) for m in prompt.messages if isinstance(m, dict))
     return 0

@@ -44,7 +44,11 @@ async def generate(
         context=parent_context,
         attributes={"kvgrid.request_id": request_id, "kvgrid.prompt_tokens": len(prompt_ids)},
     )
-    handle = await engine.submit(request_id, prompt_ids, request.scheduler_sampling(), inject(span))
+    sampling = request.scheduler_sampling()
+    if request.mm_inputs:
+        handle = await engine.submit(request_id, prompt_ids, sampling, inject(span), mm_inputs=request.mm_inputs)
+    else:
+        handle = await engine.submit(request_id, prompt_ids, sampling, inject(span))
 
     def process(delta) -> generate_pb2.GenerateResponse | None:
         out = output.process(delta)

@@ -17,6 +17,8 @@ from services.common.errors import Unavailable
 from services.common.pooling import TASKS, runner_of
 from services.tokenizer.frontdoor import FrontDoor
 from services.tokenizer.grammar_check import GrammarChecker
+from services.tokenizer.multimodal.images import ImageInputs, ImageSpec
+from services.tokenizer.multimodal.media import MediaPolicy
 from services.tokenizer.openai.tools.support import ToolSupport
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.tokenizer.validation import ModelLimits
@@ -36,12 +38,14 @@ class ModelState:
         max_prompt_chars: int = 0,
         tools: ToolSupport | None = None,
         chat_template: str = "",
+        media: MediaPolicy | None = None,
     ):
         """``max_prompt_chars``: --max-prompt-chars (0: from the worker's max_model_len, see ``ModelLimits``);
         ``tools``: the tool-call parser and its template (--tool-call-parser); ``chat_template``: the source of
         --chat-template, which replaces the model's own ('' keeps it)."""
         self.scheduler_addr = scheduler_addr
         self._chat_template = chat_template
+        self.media = media or MediaPolicy()  # where images may come from, and their limits
         if tokenizer is not None and chat_template:
             tokenizer.use_chat_template(chat_template)
         self.tokenizer = tokenizer
@@ -169,7 +173,8 @@ class ModelState:
         """The front door for a new request; UNAVAILABLE unless serving."""
         tokenizer, limits = self.require_serving()
         info = self.require_info()
-        return FrontDoor(tokenizer, limits, info.pooler if info.HasField("pooler") else None, self.tools)
+        images = ImageInputs(ImageSpec.from_json(info.multimodal_config), self.media)
+        return FrontDoor(tokenizer, limits, info.pooler if info.HasField("pooler") else None, self.tools, images)
 
     def max_prompt_chars(self) -> int | None:
         """The prompt cap in characters once the model is known (None before: the front door's default)."""

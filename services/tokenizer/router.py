@@ -136,10 +136,12 @@ class Router:
         sampling: common_pb2.SamplingParams,
         trace_context: dict[str, str],
         pooling: common_pb2.PoolingParams | None = None,
+        mm_inputs: list[common_pb2.MultiModalInput] = (),
     ) -> RequestHandle:
         if any(group.client.has(request_id) for group in self._all()):
             raise AlreadyExists(f"request_id: a live request already has id {request_id!r}")
-        return await self.pick(prompt_ids).client.submit(request_id, prompt_ids, sampling, trace_context, pooling)
+        group = self.pick(prompt_ids)
+        return await group.client.submit(request_id, prompt_ids, sampling, trace_context, pooling, mm_inputs)
 
     def abort(self, request_id: str) -> None:
         for group in self._all():

@@ -35,6 +35,7 @@ from services.common.tls import (
 from services.common.tracing import setup_tracing, shutdown_tracing
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.model_state import ModelState
+from services.tokenizer.multimodal.media import MediaPolicy
 from services.tokenizer.openai.app import build_app
 from services.tokenizer.openai.guards import HttpGuards
 from services.tokenizer.openai.http_server import HttpServer
@@ -124,6 +125,7 @@ async def start_tokenizer(
         max_prompt_chars=limits.max_prompt_chars,
         tools=ToolSupport.named(chat.tool_call_parser),
         chat_template=read_chat_template(chat.chat_template) if chat.chat_template else "",
+        media=MediaPolicy.from_limits(limits),
     )
     engine = Router(addrs, state, routing, internal)
     generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state, engine, metrics), server)

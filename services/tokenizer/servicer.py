@@ -19,8 +19,18 @@ from services.tokenizer.model_state import ModelState
 from services.tokenizer.request_metrics import RequestMetrics
 
 
-def _messages(messages) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
+def _messages(messages) -> list[dict]:
+    """A message with images has parts: its images first, then its text."""
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def _message(i: int, m) -> dict:
+    if not m.images:
+        return {"role": m.role, "content": m.content}
+    images = [
+        {"type": "image", "image": data, "field": f"messages[{i}].images[{j}]"} for j, data in enumerate(m.images)
+    ]
+    return {"role": m.role, "content": [*images, {"type": "text", "text": m.content}]}
 
 
 class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):

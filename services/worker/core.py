@@ -15,6 +15,7 @@ from services.worker.kv_transfer import HostTier, KvTransfer, RedisTier
 from services.worker.kv_transfer.blocks import block_shape
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner, SampledRow
+from services.worker.multimodal.config import multimodal_config
 from services.worker.parallel.plan import describe, load_rank, plan_rank, tensor_parallel_size, world_size
 from services.worker.parallel.ranks import Ranks, start_ranks
 from services.worker.parallel.stages import StagedModel
@@ -79,6 +80,7 @@ class WorkerCore:
             self.max_model_len,
             make_sampling,
             pooling=self.handshake.HasField("pooler"),
+            takes_images=self.runner.encoder_cache is not None,
         )
 
 
@@ -140,6 +142,7 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         worker_id=worker_id or uuid.uuid4().hex,
         load_seconds=loaded.load_seconds,
         sliding_window=loaded.args.freeing_window,
+        multimodal_config=multimodal_config(loaded.args, loaded.source.path, tokenizer),
     )
     if config.model.runner == "pooling":
         handshake.pooler.CopyFrom(
@@ -152,6 +155,8 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         log.info("pooling runner: %s pooling, normalize %s", config.model.pooling_type, config.model.normalize)
     if metrics is not None:
         record_metrics(metrics, loaded, figures)
+        if runner.encoder_cache is not None:
+            metrics.watch_encoder_cache(runner.encoder_cache)
     grammars = grammar_cache(handshake)
     transfer = build_kv_transfer(config, runner, handshake, metrics)
     return WorkerCore(runner, handshake, config.model.seed, grammars, ranks, transfer)

@@ -39,6 +39,15 @@ class WorkerMetrics(ServiceMetrics):
             registry=self.registry,
         )
 
+    def watch_encoder_cache(self, cache) -> None:
+        """A vision model's encoder cache (``multimodal.encoder_cache``), read at each scrape."""
+        self._gauge("kvgrid_worker_encoder_cache_bytes", "Bytes of encoder outputs cached").labels(
+            model=self.model
+        ).set_function(lambda: cache.num_bytes)
+        self._gauge(
+            "kvgrid_worker_encoder_inputs_encoded", "Images (or tiles) run through the vision encoder since start"
+        ).labels(model=self.model).set_function(lambda: cache.num_encoded)
+
     def set_profile(self, **kinds: int) -> None:
         for kind, value in kinds.items():
             self.profiled_memory.labels(model=self.model, kind=kind).set(value)

@@ -11,6 +11,8 @@ from kvgrid.v1 import common_pb2
 from services.worker.attention.base import AttentionMetadata
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from services.worker.models.llama import LlamaForCausalLM
+from services.worker.multimodal.encoder_cache import EncoderCache
+from services.worker.multimodal.inputs import ImageSlice, step_slices
 from services.worker.pooling import pool_step
 from services.worker.request_state import RequestState
 from services.worker.sampling.prompt_logprobs import PromptRows
@@ -28,6 +30,7 @@ class StepInputs:
     batch: list[RequestState]  # in the order of the flat batch (decodes first)
     prompt_rows: PromptRows | None = None  # rows that score prompt tokens (SamplingParams.prompt_logprobs)
     has_pooling: bool = False  # some request pools its hidden states (a pooling worker's steps)
+    image_slices: list[ImageSlice] | None = None  # encoder rows that replace placeholder tokens' embeddings
 
 
 @dataclass(slots=True)
@@ -55,6 +58,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs, see use_decode_graphs
         # Tensor parallel: gets each step's inputs before the forward, to run it on the other ranks too.
         self.step_listener: Callable[[StepInputs], None] | None = None
+        # A vision-language model's encoder outputs (see use_encoder_cache); None for a text model.
+        self.encoder_cache: EncoderCache | None = None
+
+    def use_encoder_cache(self, max_bytes: int) -> None:
+        """Steps whose tokens include image placeholders take the model's encoder outputs there."""
+        self.encoder_cache = EncoderCache(self.model.encode_images, self.device, max_bytes)
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Decode steps of up to ``max_num_seqs`` requests through ``DecodeGraphs``; ``capture`` on CUDA
@@ -84,9 +93,12 @@ class ModelRunner:
         sampling_requests: list[RequestState] = []
         prompt_rows = PromptRows()
         has_pooling = False
+        image_slices: list[ImageSlice] = []
         for r in batch:
             start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_scheduled_tokens
             blocks = r.block_ids
+            if r.mm_inputs:
+                image_slices += step_slices(r.mm_inputs, start, end, len(input_ids))
             if r.prompt_logprobs >= 0:
                 prompt_rows.add(r, len(input_ids), start, end)
             input_ids += r.token_ids[start:end]
@@ -122,6 +134,7 @@ class ModelRunner:
             batch=batch,
             prompt_rows=prompt_rows or None,
             has_pooling=has_pooling,
+            image_slices=image_slices or None,
         )
 
     @torch.inference_mode()
@@ -142,7 +155,13 @@ class ModelRunner:
             and len(inputs.sampling_requests) == meta.num_seqs
         ):
             return graphs.run(inputs.input_ids, inputs.positions, meta), []  # every row samples, in batch order
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)  # [T, E]
+        if inputs.image_slices is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)  # [T, E]
+        else:
+            if self.encoder_cache is None:
+                raise ValueError("a request has images but the model takes text only")
+            embeds = self.encoder_cache.embed(self.model.embed_tokens.forward(inputs.input_ids), inputs.image_slices)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, embeds)
         if prompt_rows is not None:
             prompt_rows.compute(self.model.compute_logits, hidden)
         pooled = []

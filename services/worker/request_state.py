@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from kvgrid.v1 import common_pb2, worker_pb2
 from services.common.errors import InvalidArgument
 from services.common.pooling import check_resolved, check_runner
+from services.worker.multimodal.inputs import ImageInput
 from services.worker.pooling.pooler import PoolingState
 from services.worker.sampling.request_sampling import RequestSampling
 
@@ -30,6 +31,7 @@ class RequestState:
     prompt_logprobs_next: int = 1
     prompt_logprobs_out: list = field(default_factory=list)
     pooling: PoolingState | None = None  # a pooling request: its prompt is pooled, nothing is sampled
+    mm_inputs: list[ImageInput] = field(default_factory=list)  # the prompt's images, in prompt order
 
     @property
     def samples_this_step(self) -> bool:
@@ -48,6 +50,7 @@ class RequestStates:
         max_model_len: int,
         make_sampling: SamplingFactory,
         pooling: bool = False,
+        takes_images: bool = False,
     ):
         """``pooling``: the worker runs the model as a pooling model (--runner pooling) and takes pooling requests
         only; otherwise generation requests only."""
@@ -57,6 +60,7 @@ class RequestStates:
         self.max_model_len = max_model_len
         self.make_sampling = make_sampling
         self.pooling = pooling
+        self.takes_images = takes_images  # a vision-language model: requests may carry images
         self.requests: dict[str, RequestState] = {}
 
     def apply(self, plan: worker_pb2.StepPlan) -> list[RequestState]:
@@ -91,6 +95,7 @@ class RequestStates:
                 num_scheduled_tokens=new.num_scheduled_tokens,
                 trace_context=dict(new.trace_context),
                 pooling=PoolingState.from_proto(new.pooling) if new.HasField("pooling") else None,
+                mm_inputs=[ImageInput.from_proto(new.request_id, m, new.num_prompt_tokens) for m in new.mm_inputs],
             )
             if new.sampling.HasField("prompt_logprobs"):
                 state.prompt_logprobs = new.sampling.prompt_logprobs
@@ -118,6 +123,10 @@ class RequestStates:
             raise InvalidArgument("new_requests.token_ids", f"{rid}: token id past the vocabulary ({self.vocab_size})")
         self._check_blocks(rid, "new_requests.block_ids", new.block_ids)
         self._check_pooling(new)
+        if new.mm_inputs and not self.takes_images:
+            raise InvalidArgument("new_requests.mm_inputs", f"{rid}: the model takes text only, no images")
+        for m in new.mm_inputs:
+            ImageInput.from_proto(rid, m, new.num_prompt_tokens)
         self._check_span(rid, "new_requests", new.num_computed_tokens, new.num_scheduled_tokens, n, len(new.block_ids))
 
     def _check_running(self, run: worker_pb2.RunningRequest, dropped: set[str], seen: set[str], num_steps: int) -> None:

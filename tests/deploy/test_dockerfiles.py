@@ -186,10 +186,11 @@ def test_build_context_keeps_what_the_image_copies(role):
             assert not _ignored(src, patterns), f"{role} copies {src}, which .dockerignore leaves out"
 
 
-# What the tokenizer and scheduler images lack: every worker-only distribution.
+# What the tokenizer and scheduler images lack: every worker-only distribution (numpy is a core dependency: the
+# frontend processes images with it).
 _BLOCKER = """
 import importlib, importlib.abc, pkgutil, sys
-BLOCKED = {"torch", "transformers", "numpy", "triton", "gguf", "safetensors", "accelerate", "kernels"}
+BLOCKED = {"torch", "transformers", "triton", "gguf", "safetensors", "accelerate", "kernels"}
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in BLOCKED:

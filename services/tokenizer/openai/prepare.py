@@ -112,7 +112,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
     assistant's ``tool_calls`` and a tool message's ``tool_call_id`` and ``name`` are kept."""
     out = []
     for m in messages:
-        message: dict = {"role": ROLES.get(m.role, m.role), "content": m.text()}
+        parts = m.parts()
+        message: dict = {"role": ROLES.get(m.role, m.role), "content": m.text() if parts is None else parts}
         if m.tool_calls:
             calls = [(c.id, c.function.name, c.function.arguments) for c in m.tool_calls]
             message["tool_calls"] = template_tool_calls(calls)

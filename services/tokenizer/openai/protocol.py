@@ -179,6 +179,16 @@ class TextPart(CheckedModel):
     text: str
 
 
+class ImageURL(CheckedModel):
+    url: str  # a data: URL, a file under --allowed-local-media-path, or http(s) from --allowed-media-domains
+    detail: str | None = None  # accepted and ignored: the model's processor decides the resolution
+
+
+class ImageURLPart(CheckedModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCallParam(CheckedModel):
     name: str
     arguments: str  # JSON text, as OpenAI's API carries it
@@ -215,15 +225,21 @@ class NamedToolChoice(CheckedModel):
 
 class ChatMessage(CheckedModel):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageURLPart] | None = None
     tool_calls: list[ToolCallParam] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return "".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
+
+    def parts(self) -> list[dict] | None:
+        """The content as parts when it holds an image (``frontdoor`` reads them), else None."""
+        if not isinstance(self.content, list) or all(isinstance(part, TextPart) for part in self.content):
+            return None
+        return [part.model_dump(exclude_none=True) for part in self.content]
 
 
 class ChatCompletionRequest(SamplingRequest):

@@ -223,10 +223,14 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (k, v) pair per layer
         meta: AttentionMetadata,
         hidden: torch.Tensor | None = None,  # [T, E] a pipeline stage's input: the previous stage's output
+        inputs_embeds: torch.Tensor | None = None,  # [T, E] in place of the tokens' embeddings (image rows)
     ) -> torch.Tensor:  # [T, E] hidden states before the final norm
         if self.native_path is not None:
             return self.native_path.forward(input_ids, positions, kv_caches, meta)
-        x = self.embed_tokens.forward(input_ids) if hidden is None else hidden
+        if hidden is not None:
+            x = hidden
+        else:
+            x = self.embed_tokens.forward(input_ids) if inputs_embeds is None else inputs_embeds
         cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         residual = None

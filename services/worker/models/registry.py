@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from services.worker.models import gemma3, mixtral, phi3, qwen3, qwen3_moe
+from services.worker.models import gemma3, idefics3, llava, mixtral, phi3, qwen3, qwen3_moe
 from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
 
 Weights = Iterable[tuple[str, torch.Tensor]]
@@ -43,6 +43,20 @@ FAMILIES: dict[str, Family] = {
         mixtral.MixtralForCausalLM, mixtral.ARCHITECTURES, read_args=mixtral.mixtral_args, rename=mixtral.rename_mixtral
     ),
     "qwen3_moe": Family(qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.ARCHITECTURES, read_args=qwen3_moe.qwen3_moe_args),
+    "llava": Family(
+        llava.LlavaForCausalLM,
+        llava.ARCHITECTURES,
+        read_args=llava.LlavaArgs.from_hf_config,
+        check=llava.check_llava,
+        rename=llava.rename_llava,
+    ),
+    "idefics3": Family(
+        idefics3.Idefics3ForCausalLM,
+        idefics3.ARCHITECTURES,
+        read_args=idefics3.Idefics3Args.from_hf_config,
+        check=idefics3.check_idefics3,
+        rename=idefics3.rename_idefics3,
+    ),
 }
 ARCHITECTURES = tuple(a for family in FAMILIES.values() for a in family.architectures)
 

@@ -19,6 +19,7 @@ from services.worker.kv_cache import allocate_kv_cache
 from services.worker.model_runner import ModelRunner, profile_cache_blocks
 from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
 from services.worker.models.llama_cpu import NativeCpuPath
+from services.worker.multimodal.encoder_cache import DEFAULT_CACHE_BYTES
 from services.worker.parallel.sharding import check_size, shard_args
 from services.worker.parallel.stages import stage_args
 from services.worker.quant.install import packed_bytes
@@ -259,4 +260,7 @@ def create_runner(loaded: LoadedModel, block_size: int, num_blocks: int, seed: i
     )
     native_path = loaded.model.native_path
     sampler = Sampler(a.vocab_size, loaded.device, seed, cpu_kernels=None if native_path is None else native_path.lib)
-    return ModelRunner(loaded.model, kv_caches, block_size, sampler, loaded.device)
+    runner = ModelRunner(loaded.model, kv_caches, block_size, sampler, loaded.device)
+    if hasattr(loaded.model, "encode_images"):
+        runner.use_encoder_cache(DEFAULT_CACHE_BYTES)
+    return runner
