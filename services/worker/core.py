@@ -23,6 +23,7 @@ from services.worker.sampling.structured import GrammarCache
 from services.worker.setup.build import LoadedModel, create_runner, max_model_len
 from services.worker.setup.loader import ModelLoadError, eos_token_ids, load_tokenizer, tokenizer_files
 from services.worker.setup.memory import MemoryFigures
+from services.worker.spec_decode.decoder import SpecDecoder
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         log.info("pooling runner: %s pooling, normalize %s", config.model.pooling_type, config.model.normalize)
     if metrics is not None:
         record_metrics(metrics, loaded, figures)
+    runner.spec = build_spec_decoder(config, metrics)
     grammars = grammar_cache(handshake)
     transfer = build_kv_transfer(config, runner, handshake, metrics)
     return WorkerCore(runner, handshake, config.model.seed, grammars, ranks, transfer)
@@ -186,6 +188,25 @@ def build_kv_transfer(
         log.info("redis KV tier: %s", config.cache.kv_redis_url)
     handshake.kv_tiers.extend(names)
     return KvTransfer(runner.kv_caches, runner.block_size, host, redis_tier, metrics)
+
+
+def build_spec_decoder(config: Config, metrics: WorkerMetrics | None) -> SpecDecoder | None:
+    """--speculative-config's proposer; None when off."""
+    spec = config.scheduler.speculative
+    if spec is None:
+        return None
+    if spec.method != "ngram":
+        raise ModelLoadError(f"--speculative-config: method {spec.method} is not served yet (use ngram)")
+    log.info(
+        "speculative decoding: %s, up to %d tokens (prompt lookup %d..%d), off above %s running requests",
+        spec.method,
+        spec.num_speculative_tokens,
+        spec.prompt_lookup_min,
+        spec.prompt_lookup_max,
+        spec.disable_by_batch_size or "any number of",
+    )
+    on_verified = metrics.spec_decode_recorder(spec.method) if metrics is not None else None
+    return SpecDecoder(spec, on_verified)
 
 
 def grammar_cache(handshake: worker_pb2.HandshakeResponse) -> GrammarCache:

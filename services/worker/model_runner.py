@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +16,7 @@ from services.worker.request_state import RequestState
 from services.worker.sampling.prompt_logprobs import PromptRows
 from services.worker.sampling.request_sampling import RequestSampling
 from services.worker.sampling.sampler import Sampler
+from services.worker.spec_decode.decoder import SpecDecoder
 
 
 @dataclass(slots=True)
@@ -28,6 +29,8 @@ class StepInputs:
     batch: list[RequestState]  # in the order of the flat batch (decodes first)
     prompt_rows: PromptRows | None = None  # rows that score prompt tokens (SamplingParams.prompt_logprobs)
     has_pooling: bool = False  # some request pools its hidden states (a pooling worker's steps)
+    # Rows verifying proposals: their logits follow the sampling rows', num_drafts + 1 each, in this order.
+    spec_requests: list[RequestState] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -55,6 +58,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs, see use_decode_graphs
         # Tensor parallel: gets each step's inputs before the forward, to run it on the other ranks too.
         self.step_listener: Callable[[StepInputs], None] | None = None
+        self.spec: SpecDecoder | None = None  # speculative decoding (--speculative-config)
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Decode steps of up to ``max_num_seqs`` requests through ``DecodeGraphs``; ``capture`` on CUDA
@@ -84,6 +88,8 @@ class ModelRunner:
         sampling_requests: list[RequestState] = []
         prompt_rows = PromptRows()
         has_pooling = False
+        spec_indices: list[int] = []
+        spec_requests: list[RequestState] = []
         for r in batch:
             start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_scheduled_tokens
             blocks = r.block_ids
@@ -97,6 +103,9 @@ class ModelRunner:
             tables.append(blocks[: -(-end // bs)])
             if r.pooling is not None:
                 has_pooling = True
+            elif r.num_drafts:
+                spec_indices += range(len(input_ids) - r.num_drafts - 1, len(input_ids))
+                spec_requests.append(r)
             elif r.samples_this_step:
                 logits_indices.append(len(input_ids) - 1)
                 sampling_requests.append(r)
@@ -117,11 +126,12 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(logits_indices + spec_indices, dtype=torch.int64, device=dev),
             sampling_requests=sampling_requests,
             batch=batch,
             prompt_rows=prompt_rows or None,
             has_pooling=has_pooling,
+            spec_requests=spec_requests,
         )
 
     @torch.inference_mode()
@@ -149,7 +159,7 @@ class ModelRunner:
         if inputs.has_pooling:
             rows = pool_step(self.model.norm, hidden, inputs.batch, meta.query_lens_cpu)
             pooled = [SampledRow(row.request, 0, None, row.data) for row in rows]
-            if not inputs.sampling_requests:
+            if not inputs.sampling_requests and not inputs.spec_requests:
                 return hidden[:0], pooled
         return self.model.compute_logits(hidden[inputs.logits_indices]), pooled
 
@@ -157,12 +167,15 @@ class ModelRunner:
         """Run one step and commit it: computed counts advance, sampled tokens join their requests."""
         if not requests:
             return []
+        if self.spec is not None:
+            self.spec.propose(requests)
         inputs = self.prepare(requests)
         logits, pooled = self.forward(inputs)
         rows: list[SampledRow] = []
-        if inputs.sampling_requests:
+        num_sampling = len(inputs.sampling_requests)
+        if num_sampling:
             with torch.inference_mode():
-                out = self.sampler(logits, [r.sampling for r in inputs.sampling_requests])
+                out = self.sampler(logits[:num_sampling], [r.sampling for r in inputs.sampling_requests])
             rows = [
                 SampledRow(r, token, lp)
                 for r, token, lp in zip(inputs.sampling_requests, out.token_ids, out.logprobs, strict=True)
@@ -170,6 +183,10 @@ class ModelRunner:
         for r in requests:
             r.num_computed_tokens += r.num_scheduled_tokens
             r.num_scheduled_tokens = 0
+        if inputs.spec_requests:
+            emitted = self.spec.verify(logits[num_sampling:], inputs.spec_requests, self.sampler)
+            for r, tokens in zip(inputs.spec_requests, emitted, strict=True):
+                rows += [SampledRow(r, token, None) for token in tokens]
         for row in rows:
             row.request.token_ids.append(row.token_id)
             row.request.sampling.append(row.token_id)
