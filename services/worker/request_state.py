@@ -36,6 +36,8 @@ class RequestState:
     num_lookahead_tokens: int = 0
     num_drafts: int = 0
     spec_backoff: Any = None
+    # Method draft_model: leading tokens whose K/V the draft model's cache holds (-1: not seen by it yet).
+    draft_num_computed: int = -1
 
     @property
     def samples_this_step(self) -> bool:

@@ -74,3 +74,42 @@ def test_seeded_sampling_with_speculation_is_reproducible(tiny_model):  # noqa: 
     again = [r.token_ids for r in spec.generate(prompts[::-1], params[::-1], use_tqdm=False)][::-1]
     assert first == again
     assert spec.engine.core.runner.spec.stats.num_accepted_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def tinier_draft(tiny_model, tmp_path_factory):  # noqa: F811
+    """A one-layer random Llama over the tiny target's vocabulary (its tokenizer)."""
+    from tests.worker.tiny import save_tiny_model
+
+    path = str(tmp_path_factory.mktemp("tinier-draft"))
+    shape = dict(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+    )
+    return save_tiny_model(path, seed=1, max_position_embeddings=128, **shape)
+
+
+@pytest.mark.parametrize("draft", ["tinier", "target"])
+def test_draft_model_greedy_with_preemption_equals_no_speculation(tiny_model, tinier_draft, reference, draft):  # noqa: F811
+    """The tinier random draft is mostly rejected; the target as its own draft is always accepted, so the draft's
+    cache lags a token after each step and must catch up (a wrong draft K/V would show as rejections)."""
+    config = {"method": "draft_model", "model": tinier_draft if draft == "tinier" else tiny_model}
+    options = {**TINY_OPTIONS, "block_size": 4, "kv_cache_memory": 40 * 2048}
+    llm = LLM(model=tiny_model, speculative_config={**config, "num_speculative_tokens": 3}, **options)
+    prompts, params = repetitive_batch()
+    assert [r.token_ids for r in llm.generate(prompts, params, use_tqdm=False)] == reference
+    assert llm.stats().num_preemptions > 0
+    stats = llm.engine.core.runner.spec.stats
+    if draft == "target":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens > 1000
+    else:
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens / 4
+
+
+def test_a_draft_with_another_vocabulary_is_refused_at_startup(tiny_model, tmp_path):  # noqa: F811
+    from services.worker.setup.loader import ModelLoadError
+    from tests.worker.tiny import save_tiny_model
+
+    other = save_tiny_model(str(tmp_path), vocab_size=96, max_position_embeddings=128)
+    config = {"method": "draft_model", "model": other, "num_speculative_tokens": 2}
+    with pytest.raises(ModelLoadError, match="the draft must share the target's tokenizer"):
+        LLM(model=tiny_model, speculative_config=config, kv_cache_memory="8MiB", **TINY_OPTIONS)

@@ -20,7 +20,7 @@ import torch
 from services.common.speculative import SpeculativeConfig
 from services.worker.request_state import RequestState
 from services.worker.sampling.sampler import Sampler
-from services.worker.spec_decode.ngram import propose_ngram
+from services.worker.spec_decode.ngram import NgramProposer
 from services.worker.spec_decode.verify import accept_greedy, rejection_sample
 
 # Backoff: over the last WINDOW proposed tokens (at least), an acceptance rate below MIN_ACCEPTANCE pauses the
@@ -63,18 +63,19 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, on_verified=None):
-        """``on_verified(num_draft_tokens, num_accepted_tokens)`` is called per verified row (metrics)."""
-        if config.method != "ngram":
-            raise ValueError(f"speculative method {config.method!r} is not served by this worker (ngram is)")
+    def __init__(self, config: SpeculativeConfig, on_verified=None, draft_proposer=None):
+        """``on_verified(num_draft_tokens, num_accepted_tokens)`` is called per verified row (metrics);
+        ``draft_proposer``: the draft model's proposer (method draft_model)."""
+        if config.method == "draft_model" and draft_proposer is None:
+            raise ValueError("method draft_model needs the draft model's proposer")
         self.config = config
+        self.proposer = draft_proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_speculative_tokens)
         self.on_verified = on_verified
 
     def propose(self, requests: list[RequestState]) -> list[RequestState]:
         """Extend eligible rows with their proposals; returns the rows that got some."""
-        config = self.config
-        rows = []
+        wanted = {}
         for r in requests:
             r.num_drafts = 0
             k = r.num_lookahead_tokens
@@ -82,9 +83,12 @@ class SpecDecoder:
                 continue
             if r.spec_backoff is None:
                 r.spec_backoff = Backoff()
-            if not r.spec_backoff.allows():
-                continue
-            drafts = propose_ngram(r.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max)
+            if r.spec_backoff.allows():
+                wanted[id(r)] = k
+        proposals = self.proposer.propose(requests, wanted)  # the draft model also catches up on every row
+        rows = []
+        for r in requests:
+            drafts = proposals.get(id(r))
             if drafts:
                 r.token_ids.extend(drafts)
                 r.num_scheduled_tokens += len(drafts)
@@ -111,6 +115,7 @@ class SpecDecoder:
             num_accepted = len(tokens) - 1
             del r.token_ids[-d:]
             r.num_computed_tokens -= d - num_accepted
+            r.draft_num_computed = min(r.draft_num_computed, r.num_computed_tokens)
             r.num_drafts = 0
             r.spec_backoff.record(d, num_accepted)
             self._record(d, num_accepted)

@@ -8,6 +8,23 @@ from __future__ import annotations
 
 from array import array
 
+from services.worker.request_state import RequestState
+
+
+class NgramProposer:
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, requests: list[RequestState], wanted: dict[int, int]) -> dict[int, list[int]]:
+        """``wanted``: id(row) -> most proposals, for the rows that speculate -> id(row) -> proposals."""
+        proposals = {}
+        for r in requests:
+            k = wanted.get(id(r), 0)
+            if k:
+                proposals[id(r)] = propose_ngram(r.token_ids, k, self.min_n, self.max_n)
+        return proposals
+
 
 def propose_ngram(token_ids: list[int], num_tokens: int, min_n: int, max_n: int) -> list[int]:
     """Up to ``num_tokens`` tokens after the latest earlier occurrence of the last n tokens of ``token_ids``,
