@@ -113,3 +113,15 @@ def test_a_draft_with_another_vocabulary_is_refused_at_startup(tiny_model, tmp_p
     config = {"method": "draft_model", "model": other, "num_speculative_tokens": 2}
     with pytest.raises(ModelLoadError, match="the draft must share the target's tokenizer"):
         LLM(model=tiny_model, speculative_config=config, kv_cache_memory="8MiB", **TINY_OPTIONS)
+
+
+@pytest.mark.slow  # the Triton interpreter: minutes on a loaded 2-core machine
+def test_the_triton_backend_verifies_proposals_like_the_torch_one(tiny_model):  # noqa: F811
+    """Verify rows through the Triton paged-attention kernels (the interpreter on CPU, see tests/conftest.py)."""
+    prompts, params = repetitive_batch(12)
+    options = {**TINY_OPTIONS, "kv_cache_memory": "8MiB", "block_size": 4}
+    plain = LLM(model=tiny_model, cpu_kernels="torch", **options).generate(prompts, params, use_tqdm=False)
+    spec = LLM(model=tiny_model, attention_backend="triton", cpu_kernels="torch", speculative_config=NGRAM, **options)
+    results = spec.generate(prompts, params, use_tqdm=False)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+    assert spec.engine.core.runner.spec.stats.num_accepted_tokens > 0
