@@ -220,7 +220,7 @@ class Scheduler:
                 self._preempt(victim, out)
                 taken_back = planned.pop(victim.request_id, None)
                 if taken_back is not None:
-                    budget += taken_back.num_scheduled_tokens
+                    budget += taken_back.num_scheduled_tokens + taken_back.num_lookahead_tokens
                 if victim_index < i:
                     i -= 1
                 if victim is request:

@@ -85,3 +85,19 @@ def test_spec_decode_metrics_have_vllms_meaning():
     per_pos = "kvgrid_spec_decode_num_accepted_tokens_per_pos_total"
     assert f'{per_pos}{{method="ngram",model="m",position="0"}} 1.0' in text
     assert f'{per_pos}{{method="ngram",model="m",position="1"}} 1.0' in text
+
+
+def test_backoff_pauses_a_request_whose_proposals_are_mostly_rejected():
+    from services.worker.spec_decode.decoder import MIN_ACCEPTANCE, PAUSE_STEPS, WINDOW, Backoff
+
+    good, bad = Backoff(), Backoff()
+    for _ in range(WINDOW):
+        assert good.allows() and bad.allows()
+        good.record(1, 1)
+        bad.record(1, 0)
+    assert good.allows()
+    assert [bad.allows() for _ in range(PAUSE_STEPS)] == [False] * PAUSE_STEPS
+    assert bad.allows()  # then it tries again with a fresh window
+    borderline = Backoff()
+    borderline.record(WINDOW, int(MIN_ACCEPTANCE * WINDOW) + 1)
+    assert borderline.allows()
