@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any
 
 from services.common import config as cfg
@@ -26,5 +27,10 @@ def offline_config(values: dict[str, Any]) -> cfg.Config:
     if unknown:
         raise TypeError(f"unknown option(s) {', '.join(unknown)}; the options are: {', '.join(OPTION_NAMES)}")
     # build_section takes flag values as the command line gives them: text, or a bool for --x/--no-x.
-    raw = {k: v if v is None or isinstance(v, bool) else str(v) for k, v in values.items()}
+    # A dict (speculative_config, as vLLM's LLM takes it) is its JSON text.
+    raw = {k: v if v is None or isinstance(v, bool) else _text(v) for k, v in values.items()}
     return cfg.build_config(SECTIONS, argparse.Namespace(**raw), environ={})
+
+
+def _text(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, dict) else str(value)

@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.speculative import SpeculativeConfig, parse_speculative_config
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -186,6 +188,15 @@ class SchedulerConfig:
     worker_reconnect_timeout: float = _opt(
         180.0, "seconds the requests of a lost worker wait for a worker to resume them before failing (UNAVAILABLE)"
     )
+    speculative_config: str = _opt(
+        "",
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+        " (see docs/speculative-decoding.md); empty: off",
+    )
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return parse_speculative_config(self.speculative_config)
 
     def validate(self) -> list[str]:
         errors = []
@@ -199,6 +210,10 @@ class SchedulerConfig:
             errors.append(f"--num-scheduler-steps must be >= 0 (0: auto), got {self.num_scheduler_steps}")
         if self.worker_reconnect_timeout < 0:
             errors.append(f"--worker-reconnect-timeout must be >= 0, got {self.worker_reconnect_timeout}")
+        try:
+            parse_speculative_config(self.speculative_config)
+        except ValueError as e:
+            errors.append(f"--speculative-config: {e}")
         return errors
 
 

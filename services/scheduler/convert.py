@@ -54,6 +54,8 @@ def plan_to_proto(out: SchedulerOutput) -> worker_pb2.StepPlan:
         entry.num_scheduled_tokens = item.num_scheduled_tokens
         if item.new_block_ids:
             entry.new_block_ids.extend(item.new_block_ids)
+        if item.num_lookahead_tokens:
+            entry.num_lookahead_tokens = item.num_lookahead_tokens
     if out.kv_saves:
         plan.kv_saves.extend(tier_block_to_proto(save) for save in out.kv_saves)
     return plan

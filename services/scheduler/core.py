@@ -20,6 +20,7 @@ from services.scheduler.admission import AdmissionLimits
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_tiers import build_tiers
+from services.scheduler.lookahead import Lookahead
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.prompt_logprobs import PromptLogprobsChunk
 from services.scheduler.scheduler import RequestOutput, Scheduler, SchedulerLimits, SchedulerOutput
@@ -84,7 +85,9 @@ class SchedulerCore:
             pooling=info.HasField("pooler"),
             takes_images=bool(info.multimodal_config),
         )
-        return cls(Scheduler(limits, kv, info.eos_token_ids, tiers), admission, metrics)
+        spec = sched.speculative
+        lookahead = Lookahead(spec.num_speculative_tokens, spec.disable_by_batch_size) if spec else None
+        return cls(Scheduler(limits, kv, info.eos_token_ids, tiers, lookahead), admission, metrics)
 
     def plan(self) -> SchedulerOutput:
         """The next step's plan; an empty one (``is_empty``) need not be sent and is not recorded."""

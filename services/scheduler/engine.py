@@ -77,7 +77,10 @@ class Engine:
         self._streams: dict[str, RequestStream | FrontendRequest] = {}
         self.frontends: set[FrontendStream] = set()
         # Plans sent ahead of their results: 2 with async scheduling, 1 without.
-        self._max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        # Speculative decoding plans one step at a time: the next plan needs this one's token count.
+        self._max_in_flight = 2 if config.scheduler.async_scheduling and not config.scheduler.speculative else 1
+        if config.scheduler.async_scheduling and config.scheduler.speculative:
+            log.info("async scheduling is off: speculative decoding plans one step at a time")
         # Requests of a lost worker waiting for the next one (in resume order), and until when they may wait.
         self._parked: list[Request] = []
         self._parked_until = 0.0

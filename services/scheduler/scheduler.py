@@ -31,6 +31,7 @@ from typing import Any
 from services.scheduler.encoder_budget import EncoderBudget
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_tiers import KvTiers, TierBlock
+from services.scheduler.lookahead import Lookahead
 from services.scheduler.plan_steps import PlanSteps
 from services.scheduler.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsError, needs_prompt_logprobs
 from services.scheduler.prompt_logprobs import accept as accept_prompt_logprobs
@@ -76,6 +77,8 @@ class RunningRequestPlan:
     new_block_ids: list[int]
     num_scheduled_tokens: int
     samples: bool = False
+    # Speculative decoding: slots for proposed tokens after the scheduled one (see ``lookahead``).
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -121,8 +124,10 @@ class Scheduler:
         kv: KVCacheManager,
         eos_token_ids: Iterable[int] = (),
         tiers: KvTiers | None = None,
+        lookahead: Lookahead | None = None,
     ):
         self.limits = limits
+        self.lookahead = lookahead
         self.kv = kv
         self.tiers = tiers
         if tiers is not None:
@@ -189,6 +194,11 @@ class Scheduler:
         planned: dict[str, RunningRequestPlan] = {}
         steps = self.plan_steps.count(self.running, len(self.waiting), budget, self.max_seq_len)
         encoder = EncoderBudget(budget)
+        lookahead = self.lookahead
+        if lookahead is not None:
+            steps = 1  # the next plan needs this one's token count
+            if not lookahead.enabled(len(self.running)):
+                lookahead = None
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -206,6 +216,10 @@ class Scheduler:
                     continue
             if steps > 1 and not self.kv.allocate_slots(request, steps):
                 steps = 1  # the pool cannot hold the plan's tokens: one step, preempting as a step does
+            k = lookahead.count(request, self.max_seq_len) if lookahead is not None and num_new == 1 else 0
+            k = min(k, budget - num_new)
+            if k and not self.kv.allocate_slots(request, num_new + k):
+                k = 0  # no room for proposals: a plain decode, preempting as one does
             while not self.kv.allocate_slots(request, num_new):
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
@@ -213,14 +227,14 @@ class Scheduler:
                 self._preempt(victim, out)
                 taken_back = planned.pop(victim.request_id, None)
                 if taken_back is not None:
-                    budget += taken_back.num_scheduled_tokens
+                    budget += taken_back.num_scheduled_tokens + taken_back.num_lookahead_tokens
                 if victim_index < i:
                     i -= 1
                 if victim is request:
                     break
             else:
-                planned[request.request_id] = RunningRequestPlan(request, [], num_new)
-                budget -= num_new
+                planned[request.request_id] = RunningRequestPlan(request, [], num_new, num_lookahead_tokens=k)
+                budget -= num_new + k
                 i += 1
 
         for plan in planned.values():
@@ -386,13 +400,16 @@ class Scheduler:
                 samples = tokens.pop(request_id, None)
                 if request.status is not running or requests.get(request_id) is not request:
                     continue  # its tokens (if any) are discarded
-                if samples is None or len(samples) != num_steps:
-                    got = len(samples) if samples else 0
+                got, k = len(samples) if samples else 0, getattr(plan, "num_lookahead_tokens", 0)
+                if not (1 <= got <= 1 + k if k else got == num_steps):
                     raise WorkerProtocolError(
                         f"step {out.step_id}: {got} tokens sampled for {request_id!r}, planned {num_steps}"
                     )
-                for token_id, logprob in samples:
-                    request.num_output_placeholders -= 1
+                for i, (token_id, logprob) in enumerate(samples):
+                    if i < num_steps:
+                        request.num_output_placeholders -= 1
+                    else:  # an accepted proposal: the step computed its K/V
+                        request.num_computed_tokens += 1
                     request.all_token_ids.append(token_id)
                     finish = self._check_stop(request, token_id)
                     results.append(RequestOutput(request, token_id, logprob, finish))

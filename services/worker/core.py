@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from dataclasses import dataclass
 
@@ -25,6 +26,9 @@ from services.worker.sampling.structured import GrammarCache
 from services.worker.setup.build import LoadedModel, create_runner, max_model_len
 from services.worker.setup.loader import ModelLoadError, eos_token_ids, load_tokenizer, tokenizer_files
 from services.worker.setup.memory import MemoryFigures, bytes_per_block
+
+from services.worker.spec_decode.decoder import SpecDecoder
+from services.worker.spec_decode.draft_model import DraftModelProposer
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +161,7 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         record_metrics(metrics, loaded, figures)
         if runner.encoder_cache is not None:
             metrics.watch_encoder_cache(runner.encoder_cache)
+    runner.spec = build_spec_decoder(config, metrics, loaded, runner, size)
     grammars = grammar_cache(handshake)
     transfer = build_kv_transfer(config, runner, handshake, metrics)
     return WorkerCore(runner, handshake, config.model.seed, grammars, ranks, transfer)
@@ -201,6 +206,51 @@ def build_kv_transfer(
         log.info("redis KV tier: %s", config.cache.kv_redis_url)
     handshake.kv_tiers.extend(names)
     return KvTransfer(runner.kv_caches, runner.block_size, host, redis_tier, metrics)
+
+
+def build_spec_decoder(
+    config: Config, metrics: WorkerMetrics | None, target: LoadedModel, runner: ModelRunner, tp_size: int
+) -> SpecDecoder | None:
+    """--speculative-config's proposer (loading the draft model for method draft_model); None when off."""
+    spec = config.scheduler.speculative
+    if spec is None:
+        return None
+    draft = None
+    if spec.method == "draft_model":
+        draft = load_draft(config, spec.model, target, runner, tp_size)
+        method = f"draft model {spec.model}"
+    else:
+        method = f"ngram (prompt lookup {spec.prompt_lookup_min}..{spec.prompt_lookup_max})"
+    log.info(
+        "speculative decoding: %s, up to %d tokens, off above %s running requests",
+        method,
+        spec.num_speculative_tokens,
+        spec.disable_by_batch_size or "any number of",
+    )
+    on_verified = metrics.spec_decode_recorder(spec.method) if metrics is not None else None
+    return SpecDecoder(spec, on_verified, draft)
+
+
+def load_draft(config: Config, path: str, target: LoadedModel, runner: ModelRunner, tp_size: int) -> DraftModelProposer:
+    """The draft model with a KV cache of the target's block count and size (its own tensors)."""
+    if tp_size > 1:
+        raise ModelLoadError("--speculative-config: method draft_model is not served with --tensor-parallel-size > 1")
+    if not os.path.exists(path):
+        raise ModelLoadError(f"--speculative-config: draft model {path!r} does not exist")
+    draft = load_rank(config, path, 0, 1, None)
+    if draft.args.vocab_size != target.args.vocab_size:
+        raise ModelLoadError(
+            f"--speculative-config: the draft model's vocabulary ({draft.args.vocab_size} tokens) is not the "
+            f"target's ({target.args.vocab_size}): the draft must share the target's tokenizer"
+        )
+    draft_runner = create_runner(draft, runner.block_size, runner.num_blocks)
+    log.info(
+        "draft model %s: %d layers, KV cache %.1f MiB beside the target's",
+        path,
+        draft.args.num_layers,
+        draft.block_bytes(runner.block_size) * runner.num_blocks / 2**20,
+    )
+    return DraftModelProposer(draft_runner)
 
 
 def grammar_cache(handshake: worker_pb2.HandshakeResponse) -> GrammarCache:

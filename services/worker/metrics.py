@@ -47,6 +47,28 @@ class WorkerMetrics(ServiceMetrics):
         self._gauge(
             "kvgrid_worker_encoder_inputs_encoded", "Images (or tiles) run through the vision encoder since start"
         ).labels(model=self.model).set_function(lambda: cache.num_encoded)
+    def spec_decode_recorder(self, method: str):
+        """A callback counting one verified draft (vLLM's spec_decode series, by method)."""
+        labels = {"model": self.model, "method": method}
+        drafts = self._counter("kvgrid_spec_decode_num_drafts", "Verify steps of requests with proposals", ["method"])
+        draft_tokens = self._counter("kvgrid_spec_decode_num_draft_tokens", "Proposed tokens", ["method"])
+        accepted = self._counter("kvgrid_spec_decode_num_accepted_tokens", "Accepted proposed tokens", ["method"])
+        per_pos = self._counter(
+            "kvgrid_spec_decode_num_accepted_tokens_per_pos", "Accepted proposals by position", ["method", "position"]
+        )
+        drafts_c, draft_tokens_c, accepted_c = (c.labels(**labels) for c in (drafts, draft_tokens, accepted))
+        positions: list = []
+
+        def record(num_draft_tokens: int, num_accepted: int) -> None:
+            drafts_c.inc()
+            draft_tokens_c.inc(num_draft_tokens)
+            accepted_c.inc(num_accepted)
+            while len(positions) < num_accepted:
+                positions.append(per_pos.labels(position=str(len(positions)), **labels))
+            for child in positions[:num_accepted]:
+                child.inc()
+
+        return record
 
     def set_profile(self, **kinds: int) -> None:
         for kind, value in kinds.items():

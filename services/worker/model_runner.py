@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,7 @@ from services.worker.request_state import RequestState
 from services.worker.sampling.prompt_logprobs import PromptRows
 from services.worker.sampling.request_sampling import RequestSampling
 from services.worker.sampling.sampler import Sampler
+from services.worker.spec_decode.decoder import SpecDecoder
 
 
 @dataclass(slots=True)
@@ -31,6 +32,8 @@ class StepInputs:
     prompt_rows: PromptRows | None = None  # rows that score prompt tokens (SamplingParams.prompt_logprobs)
     has_pooling: bool = False  # some request pools its hidden states (a pooling worker's steps)
     image_slices: list[ImageSlice] | None = None  # encoder rows that replace placeholder tokens' embeddings
+    # Rows verifying proposals: their logits follow the sampling rows', num_drafts + 1 each, in this order.
+    spec_requests: list[RequestState] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -64,6 +67,7 @@ class ModelRunner:
     def use_encoder_cache(self, max_bytes: int) -> None:
         """Steps whose tokens include image placeholders take the model's encoder outputs there."""
         self.encoder_cache = EncoderCache(self.model.encode_images, self.device, max_bytes)
+        self.spec: SpecDecoder | None = None  # speculative decoding (--speculative-config)
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Decode steps of up to ``max_num_seqs`` requests through ``DecodeGraphs``; ``capture`` on CUDA
@@ -94,6 +98,8 @@ class ModelRunner:
         prompt_rows = PromptRows()
         has_pooling = False
         image_slices: list[ImageSlice] = []
+        spec_indices: list[int] = []
+        spec_requests: list[RequestState] = []
         for r in batch:
             start, end = r.num_computed_tokens, r.num_computed_tokens + r.num_scheduled_tokens
             blocks = r.block_ids
@@ -109,6 +115,9 @@ class ModelRunner:
             tables.append(blocks[: -(-end // bs)])
             if r.pooling is not None:
                 has_pooling = True
+            elif r.num_drafts:
+                spec_indices += range(len(input_ids) - r.num_drafts - 1, len(input_ids))
+                spec_requests.append(r)
             elif r.samples_this_step:
                 logits_indices.append(len(input_ids) - 1)
                 sampling_requests.append(r)
@@ -129,12 +138,13 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor(logits_indices + spec_indices, dtype=torch.int64, device=dev),
             sampling_requests=sampling_requests,
             batch=batch,
             prompt_rows=prompt_rows or None,
             has_pooling=has_pooling,
             image_slices=image_slices or None,
+            spec_requests=spec_requests,
         )
 
     @torch.inference_mode()
@@ -168,7 +178,7 @@ class ModelRunner:
         if inputs.has_pooling:
             rows = pool_step(self.model.norm, hidden, inputs.batch, meta.query_lens_cpu)
             pooled = [SampledRow(row.request, 0, None, row.data) for row in rows]
-            if not inputs.sampling_requests:
+            if not inputs.sampling_requests and not inputs.spec_requests:
                 return hidden[:0], pooled
         return self.model.compute_logits(hidden[inputs.logits_indices]), pooled
 
@@ -176,12 +186,15 @@ class ModelRunner:
         """Run one step and commit it: computed counts advance, sampled tokens join their requests."""
         if not requests:
             return []
+        if self.spec is not None:
+            self.spec.propose(requests)
         inputs = self.prepare(requests)
         logits, pooled = self.forward(inputs)
         rows: list[SampledRow] = []
-        if inputs.sampling_requests:
+        num_sampling = len(inputs.sampling_requests)
+        if num_sampling:
             with torch.inference_mode():
-                out = self.sampler(logits, [r.sampling for r in inputs.sampling_requests])
+                out = self.sampler(logits[:num_sampling], [r.sampling for r in inputs.sampling_requests])
             rows = [
                 SampledRow(r, token, lp)
                 for r, token, lp in zip(inputs.sampling_requests, out.token_ids, out.logprobs, strict=True)
@@ -189,6 +202,10 @@ class ModelRunner:
         for r in requests:
             r.num_computed_tokens += r.num_scheduled_tokens
             r.num_scheduled_tokens = 0
+        if inputs.spec_requests:
+            emitted = self.spec.verify(logits[num_sampling:], inputs.spec_requests, self.sampler)
+            for r, tokens in zip(inputs.spec_requests, emitted, strict=True):
+                rows += [SampledRow(r, token, None) for token in tokens]
         for row in rows:
             row.request.token_ids.append(row.token_id)
             row.request.sampling.append(row.token_id)

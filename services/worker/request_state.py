@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvgrid.v1 import common_pb2, worker_pb2
 from services.common.errors import InvalidArgument
@@ -32,6 +33,13 @@ class RequestState:
     prompt_logprobs_out: list = field(default_factory=list)
     pooling: PoolingState | None = None  # a pooling request: its prompt is pooled, nothing is sampled
     mm_inputs: list[ImageInput] = field(default_factory=list)  # the prompt's images, in prompt order
+    # Speculative decoding (services.worker.spec_decode): slots the plan gave for proposals this step, how many
+    # proposals the step carries (appended to token_ids until verified), and the request's acceptance backoff.
+    num_lookahead_tokens: int = 0
+    num_drafts: int = 0
+    spec_backoff: Any = None
+    # Method draft_model: leading tokens whose K/V the draft model's cache holds (-1: not seen by it yet).
+    draft_num_computed: int = -1
 
     @property
     def samples_this_step(self) -> bool:
@@ -106,6 +114,7 @@ class RequestStates:
             state = self.requests[run.request_id]
             state.block_ids.extend(run.new_block_ids)
             state.num_scheduled_tokens = run.num_scheduled_tokens
+            state.num_lookahead_tokens = run.num_lookahead_tokens
             scheduled.append(state)
         return scheduled
 
@@ -150,6 +159,20 @@ class RequestStates:
         self._check_span(
             rid, "running", state.num_computed_tokens, run.num_scheduled_tokens + num_steps - 1, known, num_blocks
         )
+        if run.num_lookahead_tokens:
+            self._check_lookahead(rid, state, run, num_steps, num_blocks)
+
+    def _check_lookahead(
+        self, rid: str, state: RequestState, run: worker_pb2.RunningRequest, num_steps: int, num_blocks: int
+    ) -> None:
+        """Proposals follow a decode token in a plan of one step, in slots the blocks hold."""
+        if num_steps > 1 or run.num_scheduled_tokens != 1 or state.num_computed_tokens + 1 != len(state.token_ids):
+            raise InvalidArgument("running.num_lookahead_tokens", f"{rid}: lookahead needs a decode in a 1-step plan")
+        end = len(state.token_ids) + run.num_lookahead_tokens
+        if end > self.max_model_len or end > num_blocks * self.block_size:
+            raise InvalidArgument(
+                "running.num_lookahead_tokens", f"{rid}: {end} positions past max_model_len or its blocks"
+            )
 
     def _check_pooling(self, new: worker_pb2.NewRequest) -> None:
         rid, pooled = new.request_id, new.HasField("pooling")

@@ -153,7 +153,7 @@ class FakeModel:
             for load in new.kv_loads:
                 assert _tier_key(load) in self.tier_store, f"{new.request_id}: loads {_tier_key(load)}, never saved"
                 kv[load.block_id] = dict(self.tier_store[_tier_key(load)])
-        scheduled: list[tuple[str, int]] = []
+        scheduled: list[tuple[str, int, int]] = []  # (request id, tokens, lookahead tokens)
         for new in plan.new_requests:
             assert new.request_id not in seqs, f"new request {new.request_id!r} is held already"
             assert new.num_computed_tokens + new.num_scheduled_tokens <= len(new.token_ids), "schedules past the end"
@@ -166,11 +166,11 @@ class FakeModel:
                 assert got == seq.token_ids[pos], f"{new.request_id}: stale prefix block at position {pos}"
             seqs[new.request_id] = seq
             self.trace_contexts[new.request_id] = dict(new.trace_context)
-            scheduled.append((new.request_id, new.num_scheduled_tokens))
+            scheduled.append((new.request_id, new.num_scheduled_tokens, 0))
         for running in plan.running:
             assert running.request_id in seqs, f"running request {running.request_id!r} is not held"
             seqs[running.request_id].block_ids.extend(running.new_block_ids)
-            scheduled.append((running.request_id, running.num_scheduled_tokens))
+            scheduled.append((running.request_id, running.num_scheduled_tokens, running.num_lookahead_tokens))
 
         window = self.config.sliding_window
 
@@ -187,7 +187,7 @@ class FakeModel:
         assert num_steps == 1 or not plan.new_requests, f"a plan of {num_steps} steps with new requests"
         sampled = []
         for step in range(num_steps):
-            for request_id, num_scheduled in scheduled:
+            for request_id, num_scheduled, lookahead in scheduled:
                 seq = seqs[request_id]
                 if step:
                     num_scheduled = 1  # each further step computes the token the step before sampled
@@ -208,7 +208,9 @@ class FakeModel:
                         got = kv.get(seq.block_ids[key // bs], {}).get(key % bs)
                         assert got == seq.token_ids[key], f"{request_id}: position {pos} reads a stale key at {key}"
                 seq.num_computed = end
-                if end == len(seq.token_ids):
+                if lookahead:
+                    self._speculate(request_id, seq, lookahead, sampled)
+                elif end == len(seq.token_ids):
                     token = next_token(seq.token_ids, self.config.vocab_size)
                     seq.token_ids.append(token)
                     item = worker_pb2.SampledToken(request_id=request_id, token_id=token)
@@ -216,6 +218,25 @@ class FakeModel:
                         item.logprob.CopyFrom(common_pb2.TokenLogprob(token_id=token, logprob=-1.0))
                     sampled.append(item)
         return worker_pb2.StepResult(step_id=plan.step_id, sampled=sampled, execute_seconds=0.0)
+
+    def _speculate(self, request_id: str, seq: _Seq, lookahead: int, sampled: list) -> None:
+        """A decode with ``lookahead`` proposals: the first ``accepted`` (a function of the sequence) are the
+        model's own tokens, the rest wrong (their slots hold -1, so a prefix hit that reads one fails); answers
+        the accepted ones and one more."""
+        bs, vocab = self.config.block_size, self.config.vocab_size
+        assert seq.num_computed == len(seq.token_ids), f"{request_id}: lookahead on a row that does not decode"
+        assert len(seq.block_ids) * bs >= seq.num_computed + lookahead, f"{request_id}: no slots for the lookahead"
+        accepted = (sum(seq.token_ids) + len(seq.token_ids)) % (lookahead + 1)
+        for i in range(lookahead):
+            pos = seq.num_computed + i
+            self.kv.setdefault(seq.block_ids[pos // bs], {})[pos % bs] = -1
+        for i in range(accepted + 1):
+            token = next_token(seq.token_ids, vocab)
+            seq.token_ids.append(token)
+            if i < accepted:  # its K/V were written by this pass
+                self.kv[seq.block_ids[seq.num_computed // bs]][seq.num_computed % bs] = token
+                seq.num_computed += 1
+            sampled.append(worker_pb2.SampledToken(request_id=request_id, token_id=token))
 
 
 def _tier_key(block: worker_pb2.KvTierBlock) -> tuple:

@@ -141,6 +141,25 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, requests: list[RequestSampling]) -> torch.Tensor:
         """logits: [R, vocab] float32, the sampler's own copy (changed in place) -> sampled ids [R] int64."""
+        probs = self._probs(logits, requests)
+        return probs.div_(self._noise(logits.shape[0], logits.shape[1], requests)).argmax(dim=-1)
+
+    @torch.inference_mode()
+    def probs(self, logits: torch.Tensor, requests: list[RequestSampling]) -> torch.Tensor:
+        """The distributions random rows sample from: [R, vocab] float32 after temperature, min-p, top-k and
+        top-p (requests without penalties, stop-token bans or structured output: speculative verification)."""
+        return self._probs(logits[:, : self.vocab_size].to(torch.float32, copy=True), requests)
+
+    def generator(self, request: RequestSampling, offset: int = 0) -> torch.Generator:
+        """The generator for ``request``'s output token ``num_output_tokens + offset``: seeded by position for a
+        seeded request (valid until the next call), else the shared one."""
+        if request.seed is None:
+            self._seed_shared([request])
+            return self._shared
+        self._positional.manual_seed(position_seed(request.seed, request.num_output_tokens + offset))
+        return self._positional
+
+    def _probs(self, logits: torch.Tensor, requests: list[RequestSampling]) -> torch.Tensor:
         num_rows, vocab = logits.shape
         # columns: temperature, top_p (> 1 means off), min_p, top_k (vocab means off)
         values = [[r.temperature, r.top_p if r.top_p < 1.0 else 2.0, r.min_p, r.top_k or vocab] for r in requests]
@@ -154,8 +173,7 @@ class Sampler:
             logits = apply_top_k_top_p(logits, top_k, params[:, 1], max_k)
         elif max_k:
             apply_top_k(logits, top_k, max_k)
-        probs = logits.softmax(dim=-1)
-        return probs.div_(self._noise(num_rows, vocab, requests)).argmax(dim=-1)
+        return logits.softmax(dim=-1)
 
     def _noise(self, num_rows: int, vocab: int, requests: list[RequestSampling]) -> torch.Tensor:
         """Exp(1) noise [R, vocab] as -log(U), U ~ Uniform[0, 1): values in (0, inf], so probs / noise
