@@ -26,7 +26,6 @@ from services.worker.sampling.structured import GrammarCache
 from services.worker.setup.build import LoadedModel, create_runner, max_model_len
 from services.worker.setup.loader import ModelLoadError, eos_token_ids, load_tokenizer, tokenizer_files
 from services.worker.setup.memory import MemoryFigures, bytes_per_block
-
 from services.worker.spec_decode.decoder import SpecDecoder
 from services.worker.spec_decode.draft_model import DraftModelProposer
 
@@ -237,7 +236,7 @@ def load_draft(config: Config, path: str, target: LoadedModel, runner: ModelRunn
         raise ModelLoadError("--speculative-config: method draft_model is not served with --tensor-parallel-size > 1")
     if not os.path.exists(path):
         raise ModelLoadError(f"--speculative-config: draft model {path!r} does not exist")
-    draft = load_rank(config, path, 0, 1, None)
+    draft = load_rank(config, None, path, 0, None)
     if draft.args.vocab_size != target.args.vocab_size:
         raise ModelLoadError(
             f"--speculative-config: the draft model's vocabulary ({draft.args.vocab_size} tokens) is not the "

@@ -47,6 +47,7 @@ class WorkerMetrics(ServiceMetrics):
         self._gauge(
             "kvgrid_worker_encoder_inputs_encoded", "Images (or tiles) run through the vision encoder since start"
         ).labels(model=self.model).set_function(lambda: cache.num_encoded)
+
     def spec_decode_recorder(self, method: str):
         """A callback counting one verified draft (vLLM's spec_decode series, by method)."""
         labels = {"model": self.model, "method": method}

@@ -120,6 +120,11 @@ def check_stage_options(config: Config) -> None:
             f"--cpu-kernels native runs the whole model per call; with --pipeline-parallel-size {pp}"
             " use --cpu-kernels auto or torch"
         )
+    if config.scheduler.speculative_config:
+        raise ModelLoadError(
+            f"--speculative-config verifies proposals on one model; it is not served with --pipeline-parallel-size"
+            f" {pp} yet: leave one of them out"
+        )
     if config.cache.kv_tier_names:
         raise ModelLoadError(
             f"--kv-tiers moves whole blocks of one KV cache; with --pipeline-parallel-size {pp} each stage holds"

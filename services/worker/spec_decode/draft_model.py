@@ -33,6 +33,8 @@ class _DraftRow:
     prompt_logprobs: int = -1
     pooling: None = None
     num_drafts: int = 0
+    # A text draft reads image placeholders as their tokens: its proposals are only worse, the target checks them.
+    mm_inputs: tuple = ()
 
     @property
     def samples_this_step(self) -> bool:
