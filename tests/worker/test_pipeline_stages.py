@@ -94,7 +94,10 @@ def test_families_the_split_does_not_map_are_refused():
         ({"quantization": "gguf"}, "--quantization gguf is not split into --pipeline-parallel-size 2 stages"),
         ({"cpu_kernels": "native"}, "--cpu-kernels native runs the whole model per call"),
         ({"kv_tiers": "host"}, "with --pipeline-parallel-size 2 each stage holds its layers' share"),
-        ({"speculative_config": '{"method": "ngram"}'}, "not served with --pipeline-parallel-size 2 yet"),
+        (
+            {"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'},
+            "not served with --pipeline-parallel-size 2 yet",
+        ),
     ],
 )
 def test_options_a_staged_model_cannot_take_are_refused(flags, problem):
