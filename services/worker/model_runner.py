@@ -143,6 +143,11 @@ class ModelRunner:
         ):
             return graphs.run(inputs.input_ids, inputs.positions, meta), []  # every row samples, in batch order
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)  # [T, E]
+        return self.outputs(inputs, hidden)
+
+    def outputs(self, inputs: StepInputs, hidden: torch.Tensor) -> tuple[torch.Tensor, list[SampledRow]]:
+        """``forward``'s result from the model's output ``hidden`` [T, E]."""
+        prompt_rows, meta = inputs.prompt_rows, inputs.meta
         if prompt_rows is not None:
             prompt_rows.compute(self.model.compute_logits, hidden)
         pooled = []
@@ -159,6 +164,12 @@ class ModelRunner:
             return []
         inputs = self.prepare(requests)
         logits, pooled = self.forward(inputs)
+        return self.commit(requests, inputs, logits, pooled)
+
+    def commit(
+        self, requests: list[RequestState], inputs: StepInputs, logits: torch.Tensor, pooled: list[SampledRow]
+    ) -> list[SampledRow]:
+        """Samples the step's ``logits`` and commits it (``execute``'s end)."""
         rows: list[SampledRow] = []
         if inputs.sampling_requests:
             with torch.inference_mode():

@@ -1,7 +1,8 @@
 """``kvgrid serve --pipeline-parallel-size P`` on CPU (gloo) on a tiny float32 Llama of 4 layers.
 
 Greedy output over the e2e prompts, sent at once into a KV cache small enough to preempt, equals one rank's
-(the offline engine in this process, on the same weights) token for token; an aborted stream frees its blocks
+(the offline engine in this process, on the same weights) token for token, with two plans over disjoint
+requests in the pipeline at once (micro-batches, which rank 0 logs); an aborted stream frees its blocks
 and leaves the others exact. The slow variants: three stages; two stages of two tensor-parallel ranks (the
 all-reduces sum in another order, greedy tokens stay); and two "nodes" on this machine, the second's
 ranks started by ``kvgrid worker-rank`` from the rendezvous address alone, where a ``kill -9`` of one of its
@@ -81,6 +82,9 @@ def two_stages(model, tmp_path_factory):
 def test_two_stages_give_one_ranks_greedy_tokens_through_preemption(two_stages, reference):
     check_prompts_through_preemption(two_stages, reference)
     assert re.search(r"pipeline stages' layers: \[0, 2\), \[2, 4\)", two_stages.log())
+    # Micro-batches: rank 0 had a second plan (disjoint requests) through stage 0 while the first was still in the
+    # pipeline, and the tokens above are still one rank's.
+    assert "micro-batches: 2 plans in the pipeline at once" in two_stages.log()
 
 
 def test_an_aborted_stream_frees_its_blocks_and_the_others_stay_exact(two_stages, reference):
