@@ -190,6 +190,8 @@ class Scheduler:
         # request_id -> plan, in scheduling order; a priority preemption may take one back out.
         planned: dict[str, RunningRequestPlan] = {}
         steps = self.plan_steps.count(self.running, len(self.waiting), budget, self.max_seq_len)
+        if self.micro_batches is not None and len(self.running) > 1:
+            steps = 1  # a plan of several steps runs alone: the pipeline drains for it
 
         share = self.micro_batches.share(len(self.running)) if self.micro_batches is not None else len(self.running)
         i = 0

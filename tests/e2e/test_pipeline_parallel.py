@@ -105,6 +105,7 @@ def test_three_stages_give_one_ranks_greedy_tokens_through_preemption(model, ref
     with running_stack(tmp_path / "serve.log", ["--model", model, "--pipeline-parallel-size", "3", *ARGS]) as stack:
         check_prompts_through_preemption(stack, reference)
         assert re.search(r"pipeline stages' layers: \[0, 1\), \[1, 2\), \[2, 4\)", stack.log())
+        assert "micro-batches: 2 plans in the pipeline at once" in stack.log()
 
 
 @pytest.mark.slow
@@ -113,6 +114,9 @@ def test_two_stages_of_two_tensor_parallel_ranks_give_one_ranks_greedy_tokens(mo
     with running_stack(tmp_path / "serve.log", args) as stack:
         check_prompts_through_preemption(stack, reference)
         assert "worker group: 4 ranks (tensor parallel 2 x pipeline parallel 2, gloo, 1 nodes)" in stack.log()
+        # Stage 0's second rank sends one micro-batch on while it computes the next with rank 0: no rank waits
+        # on another in a cycle.
+        assert "micro-batches: 2 plans in the pipeline at once" in stack.log()
 
 
 def node_rank_pid(stack: Stack, after: int = 0) -> int:

@@ -95,3 +95,19 @@ def test_one_plan_takes_a_stage_s_share_of_the_running_requests():
     second = s.schedule()
     assert [p.request.request_id for p in first.running] == ["r0", "r1", "r2"]
     assert [p.request.request_id for p in second.running] == ["r3", "r4"]
+
+
+def test_plans_stand_for_one_step_while_the_running_requests_can_be_split():
+    steps = {}
+    for micro in (True, False):
+        s = make_scheduler(64, 4, num_scheduler_steps=4)
+        s.micro_batches = MicroBatches(2) if micro else None
+        for i in range(2):
+            s.add_request(make_request(f"r{i}", [5, 6, 7], max_tokens=20))
+        prefill = s.schedule()
+        if micro:
+            s.micro_batches.sent(prefill)
+            s.micro_batches.done(prefill)
+        s.update_from_output(prefill, [(f"r{i}", 9, None) for i in range(2)])
+        steps[micro] = s.schedule().num_steps
+    assert steps == {True: 1, False: 4}  # without micro-batches the same decodes are planned 4 steps at once
