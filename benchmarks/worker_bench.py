@@ -41,8 +41,8 @@ from services.worker.setup.build import create_runner, load_model  # noqa: E402
 BLOCK_SIZE = 16
 
 
-def kvgrid_decode(runner, batch: int, prompt_len: int, steps: int, vocab: int) -> float:
-    """Decode tokens/s of the runner at ``batch`` requests."""
+def decode_requests(batch: int, prompt_len: int, steps: int, vocab: int) -> list[RequestState]:
+    """``batch`` random prompts of ``prompt_len`` tokens, each with blocks for ``steps`` decodes, ready to prefill."""
     g = torch.Generator().manual_seed(batch)
     blocks_per_seq = -(-(prompt_len + steps + 1) // BLOCK_SIZE)
     requests = []
@@ -59,6 +59,12 @@ def kvgrid_decode(runner, batch: int, prompt_len: int, steps: int, vocab: int) -
                 num_scheduled_tokens=prompt_len,
             )
         )
+    return requests
+
+
+def kvgrid_decode(runner, batch: int, prompt_len: int, steps: int, vocab: int) -> float:
+    """Decode tokens/s of the runner at ``batch`` requests."""
+    requests = decode_requests(batch, prompt_len, steps, vocab)
     runner.execute(requests)  # prefill, samples the first token
     for r in requests:  # two untimed warm-up decodes
         r.num_scheduled_tokens = 1

@@ -32,7 +32,7 @@ class MemoryProfile(_message.Message):
     def __init__(self, method: _Optional[str] = ..., total_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., peak_activation_bytes: _Optional[int] = ..., non_torch_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("model", "architecture", "dtype", "device", "block_size", "num_blocks", "bytes_per_block", "max_model_len", "vocab_size", "eos_token_ids", "memory", "tokenizer_files", "max_num_batched_tokens", "max_num_seqs", "worker_id", "load_seconds", "num_host_blocks", "kv_tiers", "sliding_window", "pooler", "multimodal_config")
+    __slots__ = ("model", "architecture", "dtype", "device", "block_size", "num_blocks", "bytes_per_block", "max_model_len", "vocab_size", "eos_token_ids", "memory", "tokenizer_files", "max_num_batched_tokens", "max_num_seqs", "worker_id", "load_seconds", "num_host_blocks", "kv_tiers", "sliding_window", "pooler", "multimodal_config", "micro_batches")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class HandshakeResponse(_message.Message):
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     POOLER_FIELD_NUMBER: _ClassVar[int]
     MULTIMODAL_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     dtype: str
@@ -82,7 +83,8 @@ class HandshakeResponse(_message.Message):
     sliding_window: int
     pooler: PoolerConfig
     multimodal_config: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., memory: _Optional[_Union[MemoryProfile, _Mapping]] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., worker_id: _Optional[str] = ..., load_seconds: _Optional[float] = ..., num_host_blocks: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ..., pooler: _Optional[_Union[PoolerConfig, _Mapping]] = ..., multimodal_config: _Optional[str] = ...) -> None: ...
+    micro_batches: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., memory: _Optional[_Union[MemoryProfile, _Mapping]] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., worker_id: _Optional[str] = ..., load_seconds: _Optional[float] = ..., num_host_blocks: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ..., pooler: _Optional[_Union[PoolerConfig, _Mapping]] = ..., multimodal_config: _Optional[str] = ..., micro_batches: _Optional[int] = ...) -> None: ...
 
 class PoolerConfig(_message.Message):
     __slots__ = ("pooling_type", "normalize", "hidden_size")

@@ -4,7 +4,9 @@ Per worker session: connect and handshake, build a fresh ``SchedulerCore`` (bloc
 pool and scheduler sized from the reply), report ready, then plan → send → await
 the result → finish the step → deliver, for as long as there is work. With async scheduling
 the next plan is sent before the current result is read, so the worker always
-has the next step queued while it runs one (at most two plans are in flight).
+has the next step queued while it runs one (at most two plans are in flight);
+a worker of P pipeline stages gets up to P plans over disjoint requests
+(``micro_batches``).
 Delivery ends with one flush per connected frontend: one message per step each;
 frontend streams stay connected whatever happens to the worker.
 When the worker's stream breaks, its requests are parked as preempted (blocks
@@ -42,6 +44,7 @@ from services.scheduler.core import SchedulerCore, StepCounters
 from services.scheduler.frontends import FrontendRequest, FrontendStream
 from services.scheduler.kv_events import KvEventLog
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.micro_batches import MicroBatches
 from services.scheduler.request import Request
 from services.scheduler.scheduler import SchedulerOutput, WorkerProtocolError
 from services.scheduler.streams import RequestStream
@@ -307,13 +310,19 @@ class Engine:
         call = session.stub.Execute()
         call.add_done_callback(lambda _: self._wake.set())
         in_flight: deque[SchedulerOutput] = deque()
+        max_in_flight, micro = self._max_in_flight, None
+        if session.info.micro_batches > 1:  # a pipeline: one plan per stage, over disjoint requests
+            micro = core.scheduler.micro_batches = MicroBatches(session.info.micro_batches)
+            max_in_flight = max(max_in_flight, micro.count)
         try:
             while True:
-                if len(in_flight) < self._max_in_flight and core.scheduler.has_work():
+                if len(in_flight) < max_in_flight and core.scheduler.has_work():
                     out = core.plan()
                     if not out.is_empty:
                         await call.write(plan_to_proto(out))
                         in_flight.append(out)
+                        if micro is not None:
+                            micro.sent(out)
                         continue
                 if not in_flight:
                     self._publish()  # e.g. the load after aborts that needed no step
@@ -325,6 +334,8 @@ class Engine:
                 out = in_flight.popleft()
                 if result.step_id != out.step_id:
                     raise WorkerProtocolError(f"result for step {result.step_id}, expected {out.step_id}")
+                if micro is not None:
+                    micro.done(out)
                 sampled, pooled = sampled_from_proto(result), pooled_from_proto(result)
                 prompt_logprobs = prompt_logprobs_from_proto(result) if result.prompt_logprobs else ()
                 failed = result.num_kv_load_failed_tokens

@@ -32,6 +32,7 @@ from services.scheduler.encoder_budget import EncoderBudget
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.kv_tiers import KvTiers, TierBlock
 from services.scheduler.lookahead import Lookahead
+from services.scheduler.micro_batches import MicroBatches
 from services.scheduler.plan_steps import PlanSteps
 from services.scheduler.prompt_logprobs import PromptLogprobsChunk, PromptLogprobsError, needs_prompt_logprobs
 from services.scheduler.prompt_logprobs import accept as accept_prompt_logprobs
@@ -149,6 +150,8 @@ class Scheduler:
         self.num_preemptions = 0
         # Sizes plans of several decode steps; callers report each plan's time to it (``PlanSteps.record``).
         self.plan_steps = PlanSteps(limits.num_scheduler_steps)
+        # A pipeline's plans in flight over disjoint requests (``micro_batches``); None: plans may share requests.
+        self.micro_batches: MicroBatches | None = None
 
     @property
     def num_running(self) -> int:
@@ -199,13 +202,16 @@ class Scheduler:
             steps = 1  # the next plan needs this one's token count
             if not lookahead.enabled(len(self.running)):
                 lookahead = None
+        if self.micro_batches is not None and len(self.running) > 1:
+            steps = 1  # a plan of several steps runs alone: the pipeline drains for it
 
+        share = self.micro_batches.share(len(self.running)) if self.micro_batches is not None else len(self.running)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(planned) < share:
             request = self.running[i]
             num_new = len(request.all_token_ids) + request.num_output_placeholders - request.num_computed_tokens
-            if num_new <= 0 or self._ends_when_sampled(request):
-                i += 1  # its pending token ends it (by length), or it waits for that token: nothing to compute
+            if num_new <= 0 or self._ends_when_sampled(request) or self._held(request):
+                i += 1  # its pending token ends it (by length), it waits for that token, or another micro-batch has it
                 continue
             if num_new > budget:
                 num_new = budget
@@ -267,6 +273,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int, encoder: EncoderBudget) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             request = self.waiting.peek()
+            if self._held(request):
+                break  # preempted while a plan in flight still computes it: admitted once that plan is back
             readable = not needs_prompt_logprobs(request)  # a prompt being scored is computed whole
             hit_blocks, num_hit = self.kv.get_computed_blocks(request) if readable else ([], 0)
             loads: list[TierBlock] = []
@@ -298,6 +306,9 @@ class Scheduler:
             out.new_requests.append(NewRequestPlan(request, block_ids, num_hit + num_loaded, num_new, samples, loads))
             out.total_num_scheduled_tokens += num_new
             budget -= num_new
+
+    def _held(self, request: Request) -> bool:
+        return self.micro_batches is not None and self.micro_batches.waits(request)
 
     def _pick_victim(self) -> Request:
         if self.limits.policy == "priority":

@@ -163,6 +163,8 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
     runner.spec = build_spec_decoder(config, metrics, loaded, runner, size)
     grammars = grammar_cache(handshake)
     transfer = build_kv_transfer(config, runner, handshake, metrics)
+    if ranks is not None and ranks.plan.layers and transfer is None:
+        handshake.micro_batches = len(ranks.plan.layers)  # see services/worker/parallel/micro_batches.py
     return WorkerCore(runner, handshake, config.model.seed, grammars, ranks, transfer)
 
 

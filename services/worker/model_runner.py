@@ -171,7 +171,12 @@ class ModelRunner:
             if self.encoder_cache is None:
                 raise ValueError("a request has images but the model takes text only")
             embeds = self.encoder_cache.embed(self.model.embed_tokens.forward(inputs.input_ids), inputs.image_slices)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, embeds)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs_embeds=embeds)
+        return self.outputs(inputs, hidden)
+
+    def outputs(self, inputs: StepInputs, hidden: torch.Tensor) -> tuple[torch.Tensor, list[SampledRow]]:
+        """``forward``'s result from the model's output ``hidden`` [T, E]."""
+        prompt_rows, meta = inputs.prompt_rows, inputs.meta
         if prompt_rows is not None:
             prompt_rows.compute(self.model.compute_logits, hidden)
         pooled = []
@@ -190,6 +195,12 @@ class ModelRunner:
             self.spec.propose(requests)
         inputs = self.prepare(requests)
         logits, pooled = self.forward(inputs)
+        return self.commit(requests, inputs, logits, pooled)
+
+    def commit(
+        self, requests: list[RequestState], inputs: StepInputs, logits: torch.Tensor, pooled: list[SampledRow]
+    ) -> list[SampledRow]:
+        """Samples the step's ``logits`` and commits it (``execute``'s end)."""
         rows: list[SampledRow] = []
         num_sampling = len(inputs.sampling_requests)
         if num_sampling:

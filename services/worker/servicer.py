@@ -15,6 +15,7 @@ from services.common.errors import FailedPrecondition, Unavailable, grpc_errors
 from services.worker.core import WorkerCore
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import SampledRow
+from services.worker.parallel.micro_batches import MicroBatchPipeline
 from services.worker.request_state import RequestState, RequestStates
 from services.worker.sampling import prompt_logprobs
 
@@ -88,37 +89,98 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         await self._take_stream(context)
         states = None
         spans = _RequestSpans()
-        loop = asyncio.get_running_loop()
         try:
             states = core.request_states()
             log.info("execute stream opened")
             self._open.append(states)
-            async for plan in request_iterator:
-                started = time.perf_counter()
-                spans.end(plan.finished_ids)
-                core.check_plan(plan)
-                scheduled = states.apply(plan)
-                num_steps = max(plan.num_steps, 1)
-                spans.start(plan.new_requests)
-                spans.step(scheduled, num_steps)
-                rows, num_failed = await loop.run_in_executor(self.model_thread, core.execute, plan, scheduled)
-                seconds = time.perf_counter() - started
-                if self.metrics is not None:
-                    self.metrics.record_step(seconds, num_steps)
-                yield worker_pb2.StepResult(
-                    step_id=plan.step_id,
-                    sampled=[_sampled(row) for row in rows if row.pooled is None],
-                    execute_seconds=seconds,
-                    num_kv_load_failed_tokens=num_failed,
-                    prompt_logprobs=prompt_logprobs.take(scheduled),
-                    pooled=[_pooled(row) for row in rows if row.pooled is not None],
-                )
+            if core.handshake.micro_batches > 1:
+                steps = self._pipelined(core, states, spans, request_iterator)
+            else:
+                steps = self._one_at_a_time(core, states, spans, request_iterator)
+            async for result in steps:
+                yield result
         finally:
             self._stream_lock.release()
             if states is not None:
                 self._open.remove(states)
                 log.info("execute stream closed with %d requests in flight", len(states.requests))
             spans.end(list(spans.open))
+
+    def _accept(self, core: WorkerCore, states: RequestStates, spans: _RequestSpans, plan) -> list[RequestState]:
+        """The plan's requests as the worker holds them, ready to run (on the event loop, in plan order)."""
+        spans.end(plan.finished_ids)
+        core.check_plan(plan)
+        scheduled = states.apply(plan)
+        spans.start(plan.new_requests)
+        spans.step(scheduled, max(plan.num_steps, 1))
+        return scheduled
+
+    def _result(self, plan, scheduled, rows: list[SampledRow], num_failed: int, started: float):
+        seconds = time.perf_counter() - started
+        if self.metrics is not None:
+            self.metrics.record_step(seconds, max(plan.num_steps, 1))
+        return worker_pb2.StepResult(
+            step_id=plan.step_id,
+            sampled=[_sampled(row) for row in rows if row.pooled is None],
+            execute_seconds=seconds,
+            num_kv_load_failed_tokens=num_failed,
+            prompt_logprobs=prompt_logprobs.take(scheduled),
+            pooled=[_pooled(row) for row in rows if row.pooled is not None],
+        )
+
+    async def _one_at_a_time(self, core: WorkerCore, states, spans, plans):
+        loop = asyncio.get_running_loop()
+        async for plan in plans:
+            started = time.perf_counter()
+            scheduled = self._accept(core, states, spans, plan)
+            rows, num_failed = await loop.run_in_executor(self.model_thread, core.execute, plan, scheduled)
+            yield self._result(plan, scheduled, rows, num_failed, started)
+
+    async def _pipelined(self, core: WorkerCore, states, spans, plans):
+        """Pipeline stages: plans over disjoint requests join the pipeline as they arrive (see
+        services/worker/parallel/micro_batches.py); the oldest completes when no plan waits or the pipeline is
+        full. Results leave in plan order."""
+        loop = asyncio.get_running_loop()
+        pipe = MicroBatchPipeline(core.runner, core.handshake.micro_batches)
+        arrived: asyncio.Queue = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for plan in plans:
+                    arrived.put_nowait(plan)
+                arrived.put_nowait(None)
+            except Exception as exc:  # the stream broke: raised where the plans are taken
+                arrived.put_nowait(exc)
+
+        pumping = asyncio.create_task(pump(), name="worker-plan-reader")
+        ended = False
+        try:
+            while not ended or pipe.pending:
+                if pipe.pending and (ended or pipe.full or arrived.empty()):
+                    step, rows = await loop.run_in_executor(self.model_thread, pipe.complete)
+                    yield self._result(step.plan, step.scheduled, rows, 0, step.started)
+                    continue
+                plan = await arrived.get()
+                if plan is None:
+                    ended = True
+                    continue
+                if isinstance(plan, Exception):
+                    raise plan
+                started = time.perf_counter()
+                scheduled = self._accept(core, states, spans, plan)
+                if pipe.takes(plan, scheduled):
+                    await loop.run_in_executor(self.model_thread, pipe.launch, plan, scheduled, started)
+                    continue
+                while pipe.pending:  # a plan that shares requests with the pipeline, or of several steps
+                    step, rows = await loop.run_in_executor(self.model_thread, pipe.complete)
+                    yield self._result(step.plan, step.scheduled, rows, 0, step.started)
+                rows, num_failed = await loop.run_in_executor(self.model_thread, core.execute, plan, scheduled)
+                yield self._result(plan, scheduled, rows, num_failed, started)
+        finally:
+            pumping.cancel()
+            # Plans still in the pipeline (the stream ended or broke): their outputs are taken off the last stage
+            # before the next stream's plans run; queued on the model thread, after a launch it may be running.
+            self.model_thread.submit(pipe.drain)
 
     def shutdown(self) -> None:
         self.model_thread.shutdown(wait=False, cancel_futures=True)

@@ -1,4 +1,5 @@
-"""benchmarks/pp_bench.py runs end to end on a tiny model: each stage reports a busy fraction of its run."""
+"""benchmarks/pp_bench.py runs end to end on a tiny model: each stage reports a busy fraction of its run, with
+micro-batches on and off."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ def test_two_stages_report_how_busy_each_was(tmp_path):
     out = tmp_path / "pp.json"
     pp_bench.main(["--model", model, "--batch-sizes", "1,4", "--steps", "4", "--rounds", "1", "--json", str(out)])
     result = json.loads(out.read_text())["result"]
-    assert set(result) == {"pp1", "pp2"} and result["pp1"]["1"]["stage_busy"] == []
-    for batch in ("1", "4"):
-        busy = result["pp2"][batch]["stage_busy"]
-        assert len(busy) == 2 and all(0 < b < 1 for b in busy), busy
-        assert result["pp2"][batch]["tok_s"] > 0
+    assert set(result) == {"pp1", "pp2-micro-on", "pp2-micro-off"} and result["pp1"]["1"]["stage_busy"] == []
+    for variant in ("pp2-micro-on", "pp2-micro-off"):
+        for batch in ("1", "4"):
+            busy = result[variant][batch]["stage_busy"]
+            assert len(busy) == 2 and all(0 < b < 1 for b in busy), busy
+            assert result[variant][batch]["tok_s"] > 0

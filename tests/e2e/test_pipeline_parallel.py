@@ -1,7 +1,8 @@
 """``kvgrid serve --pipeline-parallel-size P`` on CPU (gloo) on a tiny float32 Llama of 4 layers.
 
 Greedy output over the e2e prompts, sent at once into a KV cache small enough to preempt, equals one rank's
-(the offline engine in this process, on the same weights) token for token; an aborted stream frees its blocks
+(the offline engine in this process, on the same weights) token for token, with two plans over disjoint
+requests in the pipeline at once (micro-batches, which rank 0 logs); an aborted stream frees its blocks
 and leaves the others exact. The slow variants: three stages; two stages of two tensor-parallel ranks (the
 all-reduces sum in another order, greedy tokens stay); and two "nodes" on this machine, the second's
 ranks started by ``kvgrid worker-rank`` from the rendezvous address alone, where a ``kill -9`` of one of its
@@ -81,6 +82,9 @@ def two_stages(model, tmp_path_factory):
 def test_two_stages_give_one_ranks_greedy_tokens_through_preemption(two_stages, reference):
     check_prompts_through_preemption(two_stages, reference)
     assert re.search(r"pipeline stages' layers: \[0, 2\), \[2, 4\)", two_stages.log())
+    # Micro-batches: rank 0 had a second plan (disjoint requests) through stage 0 while the first was still in the
+    # pipeline, and the tokens above are still one rank's.
+    assert "micro-batches: 2 plans in the pipeline at once" in two_stages.log()
 
 
 def test_an_aborted_stream_frees_its_blocks_and_the_others_stay_exact(two_stages, reference):
@@ -101,6 +105,7 @@ def test_three_stages_give_one_ranks_greedy_tokens_through_preemption(model, ref
     with running_stack(tmp_path / "serve.log", ["--model", model, "--pipeline-parallel-size", "3", *ARGS]) as stack:
         check_prompts_through_preemption(stack, reference)
         assert re.search(r"pipeline stages' layers: \[0, 1\), \[1, 2\), \[2, 4\)", stack.log())
+        assert "micro-batches: 2 plans in the pipeline at once" in stack.log()
 
 
 @pytest.mark.slow
@@ -109,6 +114,9 @@ def test_two_stages_of_two_tensor_parallel_ranks_give_one_ranks_greedy_tokens(mo
     with running_stack(tmp_path / "serve.log", args) as stack:
         check_prompts_through_preemption(stack, reference)
         assert "worker group: 4 ranks (tensor parallel 2 x pipeline parallel 2, gloo, 1 nodes)" in stack.log()
+        # Stage 0's second rank sends one micro-batch on while it computes the next with rank 0: no rank waits
+        # on another in a cycle.
+        assert "micro-batches: 2 plans in the pipeline at once" in stack.log()
 
 
 def node_rank_pid(stack: Stack, after: int = 0) -> int:

@@ -93,6 +93,13 @@ class DistGroup:
         except RuntimeError as exc:
             raise RankLost(f"pipeline rank {dst} is gone ({str(exc).splitlines()[0]})") from exc
 
+    def isend(self, x: torch.Tensor, dst: int) -> dist.Work:
+        """Starts sending ``x`` (kept alive by the caller until the returned work completes)."""
+        try:
+            return dist.isend(x, dst)
+        except RuntimeError as exc:
+            raise RankLost(f"pipeline rank {dst} is gone ({str(exc).splitlines()[0]})") from exc
+
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=self.device)
         try:

@@ -111,6 +111,8 @@ class StagedModel:
         # Seconds this stage spent computing its layers (not waiting for or sending hidden states); on CUDA the
         # time to queue the kernels. Read by benchmarks/pp_bench.py through Ranks.stage_busy.
         self.busy_s = 0.0
+        self._sending: list[tuple] = []  # (work, tensor) of the sends not known complete: the tensors stay alive
+        self._last: torch.Tensor | None = None
 
     def __getattr__(self, name: str):  # compute_logits, norm, args, ... of the wrapped model
         return getattr(self.model, name)
@@ -122,16 +124,43 @@ class StagedModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # this stage's layers
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, E]
+        num_tokens = self.start(input_ids, positions, kv_caches, meta)
+        return self.finish(num_tokens)
+
+    def start(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> int:
+        """Runs this stage's layers on the step and starts sending the output on; returns the step's token count.
+
+        Sends never block (``isend``): a stage may be sending one micro-batch on while the next stage, or rank 0,
+        still works on an earlier one. Only receives wait, and each waits on an earlier step, so ranks never wait
+        on each other in a cycle."""
         layout, group = self.group.layout, self.group
         shape = (input_ids.shape[0], self.hidden_size)
         hidden = None if layout.first else group.recv(shape, self.dtype, layout.prev_rank)
         started = time.perf_counter()
         out = self.model(input_ids, positions, kv_caches, meta, hidden)
         self.busy_s += time.perf_counter() - started
+        self._last = out
         if not layout.last:
-            group.send(out, layout.next_rank)
+            self._send(out, layout.next_rank)
         elif layout.tp_rank == 0 and layout.rank != 0:
-            group.send(out, 0)
+            self._send(out, 0)
+        return shape[0]
+
+    def finish(self, num_tokens: int) -> torch.Tensor:  # [T, E]
+        """The step's output: on rank 0 the last stage's (received now: steps come back in the order they
+        started), elsewhere what this stage computed."""
+        layout = self.group.layout
         if layout.rank == 0 and not layout.last:
-            return group.recv(shape, self.dtype, (layout.pp - 1) * layout.tp)
-        return out
+            return self.group.recv((num_tokens, self.hidden_size), self.dtype, (layout.pp - 1) * layout.tp)
+        return self._last
+
+    def _send(self, out: torch.Tensor, dst: int) -> None:
+        out = out.contiguous()
+        self._sending = [(w, x) for w, x in self._sending if not w.is_completed()]
+        self._sending.append((self.group.isend(out, dst), out))
