@@ -408,8 +408,8 @@ class ResponsesConfig:
         return errors
 
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
-CHAT_TEMPLATES = ("hermes", "llama3_json", "mistral")  # shipped ones, in services/tokenizer/openai/tools/templates
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+CHAT_TEMPLATES = ("hermes", "llama3_json", "mistral", "pythonic")  # shipped ones, in services/tokenizer/openai/tools/templates
 
 
 @dataclass(slots=True)
