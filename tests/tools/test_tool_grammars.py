@@ -58,6 +58,7 @@ def test_grammar_compiles_for_every_schema(vocab, parser_name, required):
         ('[get_weather(city="Paris", unit="kelvin")]', False, False),  # not in the enum
         ('[find(where={"y": 1})]', False, False),  # the $ref'd schema holds
         ("[nope()]", False, False),  # not a tool
+        ('[find(where={"x": 1, "y": 2})]', False, False),  # a nested object is closed
     ],
 )
 def test_pythonic_grammar(vocab, text, required, auto):
@@ -74,3 +75,34 @@ def test_pythonic_named_single_call(vocab):
     assert accepts(vocab, grammar, "[add(a=1, b=2)]")
     assert not accepts(vocab, grammar, "[add(a=1, b=2), add(a=3, b=4)]")
     assert not accepts(vocab, grammar, '[get_weather(city="Paris", unit="celsius")]')
+
+
+@pytest.mark.parametrize(
+    ("arguments", "valid"),
+    [
+        ('{"where": {"x": 1}}', True),
+        ('{"a": 2, "where": {"x": 1}, "c": false}', True),
+        ('{"where": {"y": 1}}', False),  # the $ref'd schema holds: "#/$defs/Place" resolves from the call's root
+        ('{"where": {"x": 1}, "invented": 1}', False),  # an object schema that lists properties is closed
+        ('{"where": {"x": 1, "invented": 1}}', False),  # nested ones too
+    ],
+)
+def test_json_call_arguments_are_held_to_the_closed_schema(vocab, arguments, valid):
+    grammar = get_parser("hermes").grammar([OPTIONAL], True, parallel=False)
+    text = '<tool_call>\n{"name": "find", "arguments": ' + arguments + "}\n</tool_call>"
+    assert accepts(vocab, grammar, text) is valid
+
+
+def test_open_objects_stay_open(vocab):
+    """An object schema with no properties listed, or one that allows others, takes any keys."""
+    free = FunctionTool(
+        "tag",
+        parameters={
+            "type": "object",
+            "properties": {"meta": {"type": "object"}, "extra": {"properties": {}, "additionalProperties": True}},
+        },
+    )
+    grammar = get_parser("hermes").grammar([free], True, parallel=False)
+    arguments = '{"meta": {"any": 1}, "extra": {"k": "v"}}'
+    assert accepts(vocab, grammar, '<tool_call>\n{"name": "tag", "arguments": ' + arguments + "}\n</tool_call>")
+    assert accepts(vocab, get_parser("pythonic").grammar([free], True, False), '[tag(meta={"any": 1})]')

@@ -18,7 +18,7 @@ import warnings
 
 from services.common.structured_output import JSON_OPTIONS
 from services.tokenizer.openai.tools.json_scan import Malformed, skip_ws
-from services.tokenizer.openai.tools.parser import ToolParser, visible_text
+from services.tokenizer.openai.tools.parser import ToolParser, closed_schema, root_definitions, visible_text
 from services.tokenizer.openai.tools.types import FunctionTool, ParsedOutput, ToolCall
 
 START_TAG = "<|python_start|>"
@@ -60,10 +60,10 @@ class PythonicParser(ToolParser):
 def call_rules(rule: str, tool: FunctionTool) -> list[str]:
     """Lark rules of ``rule``: ``name(key=value, ...)`` with the schema's properties in its order, the required
     ones always, each value JSON held to its property's schema (with the schema's ``$defs``)."""
-    schema = tool.parameters or {}
+    schema = closed_schema(tool.parameters or {})
     properties = schema.get("properties") or {}
     required = set(schema.get("required") or [])
-    defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+    defs = root_definitions(schema)
     keys = list(properties)
     out = [f'{rule}: {json.dumps(tool.name + "(")} {rule}_f0 ")"']
     # f<k>: the arguments from property k on, none written yet; m<k>: the same after one was written.
