@@ -22,8 +22,9 @@ def test_public_message_field_names_are_the_contract():
 
     fields = lambda m: [f.name for f in m.DESCRIPTOR.fields]  # noqa: E731
     assert fields(generate_pb2.GenerateRequest) == ["prompt", "prompt_token_ids", "sampling", "request_id"]
-    assert fields(generate_pb2.ChatRequest)[:6] == [
-        "messages", "sampling", "request_id", "tools", "tool_choice", "parallel_tool_calls",
+    assert fields(generate_pb2.ChatRequest)[:8] == [
+        "messages", "sampling", "request_id", "tools", "tool_choice", "parallel_tool_calls", "chat_template",
+        "chat_template_kwargs",
     ]  # fmt: skip
     assert fields(generate_pb2.ChatMessage)[:5] == ["role", "content", "tool_calls", "tool_call_id", "name"]
     assert fields(generate_pb2.GenerateResponse)[:4] == ["text", "token_ids", "finish_reason", "usage"]

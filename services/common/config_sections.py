@@ -409,7 +409,12 @@ class ResponsesConfig:
 
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
-CHAT_TEMPLATES = ("hermes", "llama3_json", "mistral", "pythonic")  # shipped ones, in services/tokenizer/openai/tools/templates
+CHAT_TEMPLATES = (
+    "hermes",
+    "llama3_json",
+    "mistral",
+    "pythonic",
+)  # shipped ones, in services/tokenizer/openai/tools/templates
 
 
 @dataclass(slots=True)
@@ -424,6 +429,11 @@ class ChatConfig:
     )
     tool_call_parser: str = _opt(
         "hermes", "format of the model's tool calls, read into OpenAI tool_calls", TOOL_CALL_PARSERS
+    )
+    trust_request_chat_template: bool = _opt(
+        False,
+        "accept a chat template in a chat request (chat_template), rendered in the same sandbox; a template can"
+        " loop as long as it likes, so allow it only for trusted clients",
     )
 
     def validate(self) -> list[str]:

@@ -124,6 +124,7 @@ async def start_tokenizer(
         max_prompt_chars=limits.max_prompt_chars,
         tools=ToolSupport.named(chat.tool_call_parser),
         chat_template=read_chat_template(chat.chat_template) if chat.chat_template else "",
+        trust_request_chat_template=chat.trust_request_chat_template,
     )
     engine = Router(addrs, state, routing, internal)
     generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state, engine, metrics), server)

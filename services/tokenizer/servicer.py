@@ -16,7 +16,7 @@ from services.tokenizer.frontdoor import ChatPrompt, Prompt, TextPrompt, TokensP
 from services.tokenizer.generation import generate
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.model_state import ModelState
-from services.tokenizer.openai.tools.proto import ToolCallDeltas, messages_from_proto, tool_request_from_proto
+from services.tokenizer.openai.tools.proto import ToolCallDeltas, chat_prompt_from_proto, messages_from_proto
 from services.tokenizer.request_metrics import RequestMetrics
 
 
@@ -43,8 +43,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     @grpc_errors
     async def Chat(self, request: generate_pb2.ChatRequest, context) -> AsyncIterator:
         with RequestMetrics(self._metrics, request.request_id) as tracked:
-            prompt = ChatPrompt(messages_from_proto(request.messages), tools=tool_request_from_proto(request))
-            async for out in self._run(request, prompt, context, tracked):
+            async for out in self._run(request, chat_prompt_from_proto(request), context, tracked):
                 yield out
 
     @grpc_errors

@@ -1,5 +1,5 @@
-"""The gRPC Chat API's tools: a ``ChatRequest``'s messages and tools read into the front door's records, and
-the output's calls written into ``GenerateResponse.tool_calls`` as OpenAI-shaped deltas."""
+"""The gRPC Chat API's tools: a ``ChatRequest``'s messages, tools and template fields read into the front
+door's records, and the output's calls written into ``GenerateResponse.tool_calls`` as OpenAI-shaped deltas."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 
 from kvgrid.v1 import generate_pb2
 from services.common.errors import InvalidArgument
+from services.tokenizer.frontdoor import ChatPrompt
 from services.tokenizer.openai.tools.parser import ToolParser
 from services.tokenizer.openai.tools.streaming import ToolCallStream
 from services.tokenizer.openai.tools.support import template_tool_calls
@@ -30,6 +31,23 @@ def messages_from_proto(messages) -> list[dict]:
             message["name"] = m.name
         out.append(message)
     return out
+
+
+def chat_prompt_from_proto(request: generate_pb2.ChatRequest) -> ChatPrompt:
+    """The conversation, its tools and its own template fields. Raises ``InvalidArgument`` naming the field."""
+    kwargs = None
+    if request.chat_template_kwargs:
+        try:
+            kwargs = json.loads(request.chat_template_kwargs)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument("chat_template_kwargs", f"not JSON: {exc}") from None
+    template = request.chat_template if request.HasField("chat_template") else None
+    return ChatPrompt(
+        messages_from_proto(request.messages),
+        tools=tool_request_from_proto(request),
+        chat_template=template,
+        chat_template_kwargs=kwargs,
+    )
 
 
 def tool_request_from_proto(request: generate_pb2.ChatRequest) -> ToolRequest | None:
