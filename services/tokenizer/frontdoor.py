@@ -115,11 +115,19 @@ class FrontDoor:
         if isinstance(prompt, ChatPrompt):
             check_template_fields(prompt, self.trust_request_chat_template)
         parser = None
+        tool_grammar = False
         if isinstance(prompt, ChatPrompt) and prompt.tools is not None:
             check_tools(prompt.tools)
-            sampling = self.tools.sampling(prompt.tools, sampling)
+            constrained = self.tools.sampling(prompt.tools, sampling)
+            tool_grammar, sampling = constrained is not sampling, constrained
             parser = self.tools.parser if prompt.tools.active else None
-        v.check_sampling(sampling, self.limits)
+        try:
+            v.check_sampling(sampling, self.limits)
+        except InvalidArgument as exc:
+            if not (tool_grammar and exc.field == "sampling.grammar"):
+                raise
+            # The grammar is the tools': a schema llguidance cannot compile, or too costly to build.
+            raise InvalidArgument("tools", str(exc).removeprefix(f"{exc.field}: ")) from None
         if isinstance(prompt, TextPrompt) and prompt.text == "":
             raise InvalidArgument(prompt.field, "empty: give text or token ids")
         ids = _tokenize(self.tokenizer, prompt, self.tools)

@@ -13,12 +13,21 @@ import pytest
 from openai import AsyncOpenAI
 
 from tests.tools.schemas import TOOLS
+from tests.tools.schemas import tool as function_tool
 
 pytestmark = pytest.mark.timeout(900)
 
 ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tools."}]
 WEATHER = TOOLS[0]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def nested(levels: int) -> dict:
+    """An object schema ``levels`` objects deep (each level two JSON levels: the schema and its properties)."""
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
 
 
 def check_calls(message, names: set[str]) -> None:
@@ -183,6 +192,14 @@ def test_round_trip_with_a_tool_result(client, model):
         ),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", ""),
         ({"functions": [{"name": "f"}]}, "functions", "not supported"),
+        # Schemas the grammar engine cannot take: a clear 400 before any work, never a hang or a 500.
+        ({"tools": [function_tool("deep", "", {"x": nested(60)})]}, "tools[0].function.parameters", "levels deep"),
+        (
+            {"tools": [function_tool("big", "", {"x": {"enum": [f"v{i}" for i in range(20000)]}})]},
+            "tools",
+            "characters",
+        ),
+        ({"tools": [function_tool("bad", "", {"x": {"type": "string", "pattern": "(("}})]}, "tools", "unclosed group"),
     ],
 )
 def test_errors_name_the_field(client, model, extra, param, message):

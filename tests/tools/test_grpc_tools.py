@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from kvgrid.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from tests.tools.schemas import TOOLS
+from tests.tools.schemas import TOOLS, tool
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -119,6 +119,22 @@ def test_without_tools_text_is_untouched(stub):
             "not among the tools",
         ),
         ({"tool_choice": generate_pb2.ToolChoice(mode="required"), "tools": []}, "tool_choice", "needs tools"),
+        (
+            {"tools": [proto_tool(tool("big", "", {"x": {"enum": [f"v{i}" for i in range(20000)]}}))]},
+            "tools",
+            "characters",
+        ),
+        ({"tools": [proto_tool(tool("bad", "", {"x": {"pattern": "(("}}))]}, "tools", "unclosed group"),
+        (
+            {"tools": [generate_pb2.Tool(function=generate_pb2.FunctionDefinition(name="f", parameters="[" * 5000))]},
+            "tools[0].function.parameters",
+            "not JSON",
+        ),
+        (
+            {"tools": [proto_tool(tool("deep", "", {"x": json.loads('{"a": ' * 120 + "1" + "}" * 120)}))]},
+            "tools[0].function.parameters",
+            "levels deep",
+        ),
     ],
 )
 def test_errors_name_the_field(stub, fields, field, message):

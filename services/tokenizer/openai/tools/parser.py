@@ -37,9 +37,7 @@ class ToolParser:
         """Lark rules of ``body``: one call's JSON object, its arguments held to the tool's schema."""
         names = [f"body_{i}" for i in range(len(tools))]
         rules = [f"body: {' | '.join(names)}"]
-        rules += [
-            f"{name}: %json {json.dumps(self.call_schema(tool))}" for name, tool in zip(names, tools, strict=True)
-        ]
+        rules += [f"{name}: %json {compact(self.call_schema(tool))}" for name, tool in zip(names, tools, strict=True)]
         return "\n".join(rules)
 
     def call_schema(self, tool: FunctionTool) -> dict:
@@ -57,6 +55,11 @@ class ToolParser:
 DEFINITIONS = ("$defs", "definitions")
 _NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples", "required"})
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def compact(schema: dict) -> str:
+    """A schema as the shortest JSON text: grammars are held to ``MAX_SPEC_CHARS``."""
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 def root_definitions(schema: dict) -> dict:

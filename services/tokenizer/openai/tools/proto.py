@@ -39,7 +39,7 @@ def chat_prompt_from_proto(request: generate_pb2.ChatRequest) -> ChatPrompt:
     if request.chat_template_kwargs:
         try:
             kwargs = json.loads(request.chat_template_kwargs)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise InvalidArgument("chat_template_kwargs", f"not JSON: {exc}") from None
     template = request.chat_template if request.HasField("chat_template") else None
     return ChatPrompt(
@@ -64,7 +64,7 @@ def tool_request_from_proto(request: generate_pb2.ChatRequest) -> ToolRequest | 
         if tool.function.parameters:
             try:
                 parameters = json.loads(tool.function.parameters)
-            except json.JSONDecodeError as exc:
+            except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested beyond any schema
                 raise InvalidArgument(f"tools[{i}].function.parameters", f"not JSON: {exc}") from None
         tools.append(FunctionTool(tool.function.name, tool.function.description, parameters))  # type: ignore[arg-type]
     mode = request.tool_choice.mode or ("auto" if tools else "none")

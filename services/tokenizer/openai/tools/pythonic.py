@@ -18,7 +18,13 @@ import warnings
 
 from services.common.structured_output import JSON_OPTIONS
 from services.tokenizer.openai.tools.json_scan import Malformed, skip_ws
-from services.tokenizer.openai.tools.parser import ToolParser, closed_schema, root_definitions, visible_text
+from services.tokenizer.openai.tools.parser import (
+    ToolParser,
+    closed_schema,
+    compact,
+    root_definitions,
+    visible_text,
+)
 from services.tokenizer.openai.tools.types import FunctionTool, ParsedOutput, ToolCall
 
 START_TAG = "<|python_start|>"
@@ -73,7 +79,7 @@ def call_rules(rule: str, tool: FunctionTool) -> list[str]:
         key, sub = keys[k], properties[keys[k]]
         value_schema = dict(sub) if isinstance(sub, dict) else {}
         value_schema = {"x-guidance": {**JSON_OPTIONS, "lenient": True}, **defs, **value_schema}
-        out.append(f"{rule}_v{k}: %json {json.dumps(value_schema)}")
+        out.append(f"{rule}_v{k}: %json {compact(value_schema)}")
         member = f"{json.dumps(key + '=')} {rule}_v{k}"
         nxt_f, nxt_m = f"{rule}_f{k + 1}", f"{rule}_m{k + 1}"
         if key in required:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from kvgrid.v1 import common_pb2
 from services.common.errors import InvalidArgument
+from services.common.structured_output import MAX_SPEC_CHARS
 from services.tokenizer.openai.tools.grammar import tool_grammar
 from services.tokenizer.openai.tools.parser import ToolParser, get_parser
 from services.tokenizer.openai.tools.templates import shipped_template
@@ -21,6 +22,9 @@ from services.tokenizer.openai.tools.types import ToolRequest
 
 DEFAULT_PARSER = "hermes"
 MAX_TOOLS = 128
+# Nesting of a tool's parameters schema (JSON objects and arrays, a property costing two: its schema and the
+# ``properties`` map): llguidance refuses schemas past about 150, and kvgrid's own walks of a schema recurse.
+MAX_SCHEMA_DEPTH = 100
 NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for function names (a dot allowed, as vLLM does)
 
 
@@ -44,6 +48,12 @@ class ToolSupport:
         grammar = tool_grammar(self.parser, request)
         if grammar is None:
             return sampling
+        if len(grammar) > MAX_SPEC_CHARS:  # the worker compiles no longer grammar either
+            raise InvalidArgument(
+                "tools",
+                f"the grammar that holds the model to these tools would be {len(grammar)} characters, at most"
+                f" {MAX_SPEC_CHARS} are accepted: offer fewer tools or smaller schemas (long enums, many properties)",
+            )
         if sampling.WhichOneof("structured_output") is not None:
             if request.choice.mode == "auto":
                 return sampling
@@ -71,11 +81,30 @@ def check_tools(request: ToolRequest, field: str = "tools") -> None:
         seen.add(tool.name)
         if not isinstance(tool.parameters, dict) or tool.parameters.get("type", "object") != "object":
             raise InvalidArgument(f"{field}[{i}].function.parameters", "must be a JSON schema of an object")
+        depth = json_depth(tool.parameters)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidArgument(
+                f"{field}[{i}].function.parameters",
+                f"nested {depth} levels deep (JSON objects and arrays); at most {MAX_SCHEMA_DEPTH}",
+            )
     mode = request.choice.mode
     if mode in ("required", "function") and not request.tools:
         raise InvalidArgument("tool_choice", f"{mode if mode != 'function' else 'a named function'} needs tools")
     if mode == "function" and request.choice.name not in seen:
         raise InvalidArgument("tool_choice", f"names {request.choice.name!r}, which is not among the tools")
+
+
+def json_depth(value) -> int:
+    """How deeply JSON objects and arrays nest in ``value`` (a scalar: 0), walked without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def template_tool_calls(calls: list[tuple[str, str, str]]) -> list[dict]:
