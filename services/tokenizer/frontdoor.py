@@ -23,7 +23,7 @@ from services.common.errors import InvalidArgument
 from services.tokenizer import validation as v
 from services.tokenizer.chat_template import RESERVED
 from services.tokenizer.openai.tools.parser import ToolParser
-from services.tokenizer.openai.tools.support import ToolSupport, check_tools, needs_tool_template
+from services.tokenizer.openai.tools.support import ToolSupport, check_tool_values, check_tools, needs_tool_template
 from services.tokenizer.openai.tools.types import ToolRequest
 from services.tokenizer.text_tokenizer import TextTokenizer
 
@@ -128,6 +128,8 @@ class FrontDoor:
                 raise
             # The grammar is the tools': a schema llguidance cannot compile, or too costly to build.
             raise InvalidArgument("tools", str(exc).removeprefix(f"{exc.field}: ")) from None
+        if tool_grammar:
+            check_tool_values(prompt.tools, self.limits.grammars)
         if isinstance(prompt, TextPrompt) and prompt.text == "":
             raise InvalidArgument(prompt.field, "empty: give text or token ids")
         ids = _tokenize(self.tokenizer, prompt, self.tools)

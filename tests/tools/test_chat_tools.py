@@ -200,6 +200,11 @@ def test_round_trip_with_a_tool_result(client, model):
             "characters",
         ),
         ({"tools": [function_tool("bad", "", {"x": {"type": "string", "pattern": "(("}})]}, "tools", "unclosed group"),
+        (  # a costly pattern on an argument the grammar's first tokens do not reach
+            {"tools": [function_tool("slow", "", {"a": {"type": "integer"}, "b": {"pattern": "^(a{1000}){1000}$"}})]},
+            "tools[0].function.parameters",
+            "too costly",
+        ),
     ],
 )
 def test_errors_name_the_field(client, model, extra, param, message):
