@@ -51,17 +51,17 @@ class ToolSupport:
         grammar = tool_grammar(self.parser, request)
         if grammar is None:
             return sampling
-        if len(grammar) > MAX_SPEC_CHARS:  # the worker compiles no longer grammar either
-            raise InvalidArgument(
-                "tools",
-                f"the grammar that holds the model to these tools would be {len(grammar)} characters, at most"
-                f" {MAX_SPEC_CHARS} are accepted: offer fewer tools or smaller schemas (long enums, many properties)",
-            )
         if sampling.WhichOneof("structured_output") is not None:
             if request.choice.mode == "auto":
                 return sampling
             raise InvalidArgument(
                 "tool_choice", f"{request.choice.mode!r} cannot be combined with a structured output (response_format)"
+            )
+        if len(grammar) > MAX_SPEC_CHARS:  # the worker compiles no longer grammar either
+            raise InvalidArgument(
+                "tools",
+                f"the grammar that holds the model to these tools would be {len(grammar)} characters, at most"
+                f" {MAX_SPEC_CHARS} are accepted: offer fewer tools or smaller schemas (long enums, many properties)",
             )
         out = common_pb2.SamplingParams()
         out.CopyFrom(sampling)
