@@ -144,7 +144,7 @@ def test_streamed_calls_equal_unstreamed(client, model, tool_choice):
     request = dict(model=model, messages=ASK, tools=TOOLS[:5], tool_choice=tool_choice, temperature=0, max_tokens=80)
     whole = client.chat.completions.create(**request).choices[0]
     content, calls, finish = streamed_message(client, **request)
-    expected = [{"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls]
+    expected = [{"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls or []]
     assert calls == expected
     assert content == (whole.message.content or "")
     assert finish == whole.finish_reason
