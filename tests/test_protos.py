@@ -22,8 +22,11 @@ def test_public_message_field_names_are_the_contract():
 
     fields = lambda m: [f.name for f in m.DESCRIPTOR.fields]  # noqa: E731
     assert fields(generate_pb2.GenerateRequest) == ["prompt", "prompt_token_ids", "sampling", "request_id"]
-    assert fields(generate_pb2.ChatRequest) == ["messages", "sampling", "request_id"]
-    assert fields(generate_pb2.ChatMessage)[:2] == ["role", "content"]  # later fields add to it (images)
+    assert fields(generate_pb2.ChatRequest)[:8] == [
+        "messages", "sampling", "request_id", "tools", "tool_choice", "parallel_tool_calls", "chat_template",
+        "chat_template_kwargs",
+    ]  # fmt: skip
+    assert fields(generate_pb2.ChatMessage)[:5] == ["role", "content", "tool_calls", "tool_call_id", "name"]
     assert fields(generate_pb2.GenerateResponse)[:4] == ["text", "token_ids", "finish_reason", "usage"]
     assert fields(common_pb2.Usage)[:2] == ["prompt_tokens", "completion_tokens"]
     assert fields(common_pb2.SamplingParams)[:14] == [

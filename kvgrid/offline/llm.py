@@ -113,7 +113,8 @@ class LLM:
         media = MediaPolicy.from_limits(config.limits) if config.limits is not None else MediaPolicy()
         images = ImageInputs(ImageSpec.from_json(info.multimodal_config), media)
         pooler = info.pooler if info.HasField("pooler") else None
-        self.front_door = FrontDoor(self.tokenizer, limits, pooler, images=images)
+        # The caller is the server's owner: a template of its own is trusted as --chat-template would be.
+        self.front_door = FrontDoor(self.tokenizer, limits, pooler, images=images, trust_request_chat_template=True)
         self._next_id = 0
 
     @property
@@ -147,16 +148,20 @@ class LLM:
         tools: Sequence[dict] | None = None,
         tool_choice: str | dict | None = None,
         parallel_tool_calls: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of ``{"role", "content"}`` dicts) or a list of them, through the model's chat
         template with the assistant's turn opened; one result per conversation. ``tools`` and ``tool_choice``
         are OpenAI's (see docs/tools.md): a result's ``tool_calls`` are the calls the model made, in OpenAI's
-        shape, and its ``text`` the rest of its answer."""
+        shape, and its ``text`` the rest of its answer. ``chat_template`` (Jinja text) replaces the model's
+        template and ``chat_template_kwargs`` adds variables to it, as vLLM's ``LLM.chat``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         params = _per_prompt(sampling_params, len(conversations))
         tool_req = tool_request(tools, tool_choice, parallel_tool_calls)
+        template = (chat_template, chat_template_kwargs)
         prepared = [
-            _indexed(i, self.prepare_chat, c, s, tool_req)
+            _indexed(i, self.prepare_chat, c, s, tool_req, template)
             for i, (c, s) in enumerate(zip(conversations, params, strict=True))
         ]
         return self.run(prepared, use_tqdm)
@@ -212,9 +217,17 @@ class LLM:
         return self._through_front_door(given, params)
 
     def prepare_chat(
-        self, conversation: Conversation, params: SamplingParams, tools: ToolRequest | None = None
+        self,
+        conversation: Conversation,
+        params: SamplingParams,
+        tools: ToolRequest | None = None,
+        template: tuple[str | None, dict | None] = (None, None),
     ) -> PreparedRequest:
-        return self._through_front_door(ChatPrompt(list(conversation), tools=tools), params)
+        """``template``: the conversation's own chat template and template variables (None: the model's, none)."""
+        prompt = ChatPrompt(
+            list(conversation), tools=tools, chat_template=template[0], chat_template_kwargs=template[1]
+        )
+        return self._through_front_door(prompt, params)
 
     def _through_front_door(self, prompt, params: SamplingParams) -> PreparedRequest:
         sampling = params.to_proto()

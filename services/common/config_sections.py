@@ -482,8 +482,13 @@ class ResponsesConfig:
         return errors
 
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
-CHAT_TEMPLATES = ("hermes", "llama3_json", "mistral")  # shipped ones, in services/tokenizer/openai/tools/templates
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic")
+CHAT_TEMPLATES = (
+    "hermes",
+    "llama3_json",
+    "mistral",
+    "pythonic",
+)  # shipped ones, in services/tokenizer/openai/tools/templates
 
 
 @dataclass(slots=True)
@@ -498,6 +503,11 @@ class ChatConfig:
     )
     tool_call_parser: str = _opt(
         "hermes", "format of the model's tool calls, read into OpenAI tool_calls", TOOL_CALL_PARSERS
+    )
+    trust_request_chat_template: bool = _opt(
+        False,
+        "accept a chat template in a chat request (chat_template), rendered in the same sandbox; a template can"
+        " loop as long as it likes, so allow it only for trusted clients",
     )
 
     def validate(self) -> list[str]:

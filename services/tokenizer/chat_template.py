@@ -19,6 +19,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from services.common.errors import InvalidArgument
 
+RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt"})  # what render itself passes
+
 
 def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
@@ -71,12 +73,21 @@ class ChatTemplate:
         # Whether the template writes tools and tool calls itself (transformers passes ``tools`` to every template).
         self.uses_tools = "tools" in names
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
-        """The conversation (and the tools offered, in OpenAI's shape) as prompt text; a template that rejects
-        it raises InvalidArgument on messages."""
+    def render(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        extra: dict | None = None,
+    ) -> str:
+        """The conversation (and the tools offered, in OpenAI's shape) as prompt text; ``extra``: more variables
+        (a request's ``chat_template_kwargs``, e.g. ``enable_thinking``), which may replace the special-token
+        variables but not the conversation's (``RESERVED``). A template that rejects it raises InvalidArgument
+        on messages."""
         try:
             return self._template.render(
                 **self._variables,
+                **(extra or {}),
                 messages=messages,
                 tools=tools or None,
                 documents=None,

@@ -22,11 +22,12 @@ from kvgrid.v1 import common_pb2, generate_pb2, worker_pb2
 from services.common import pooling
 from services.common.errors import InvalidArgument
 from services.tokenizer import validation as v
+from services.tokenizer.chat_template import RESERVED
 from services.tokenizer.multimodal.images import ImageInputs, ImageSource, split_images, template_takes_parts, text_of
 from services.tokenizer.multimodal.images import for_template as images_for_template
 from services.tokenizer.multimodal.media import MediaPolicy
 from services.tokenizer.openai.tools.parser import ToolParser
-from services.tokenizer.openai.tools.support import ToolSupport, check_tools, needs_tool_template
+from services.tokenizer.openai.tools.support import ToolSupport, check_tool_values, check_tools, needs_tool_template
 from services.tokenizer.openai.tools.types import ToolRequest
 from services.tokenizer.text_tokenizer import TextTokenizer
 
@@ -35,6 +36,8 @@ LONG_INPUT_CHARS = 8192
 # The prompt-length cap of a caller that knows no model limits (``tokenize`` without ``max_chars``): what a
 # model of 8192 tokens allows (see ``validation.MAX_CHARS_PER_TOKEN``).
 DEFAULT_MAX_PROMPT_CHARS = v.MAX_CHARS_PER_TOKEN * 8192
+# A request's own chat template (--trust-request-chat-template): as long as a model's own ever is.
+MAX_REQUEST_TEMPLATE_CHARS = 65536
 # Inputs of one embeddings request (OpenAI's limit).
 MAX_POOLING_INPUTS = 2048
 
@@ -61,6 +64,8 @@ class ChatPrompt:
     messages: list[dict]
     field: str = "messages"
     tools: ToolRequest | None = None
+    chat_template: str | None = None  # the request's own template (vLLM's field), in place of the model's
+    chat_template_kwargs: dict | None = None  # more variables for the template (e.g. enable_thinking)
 
 
 Prompt = TextPrompt | TokensPrompt | ChatPrompt
@@ -111,6 +116,9 @@ class FrontDoor:
     pooler: worker_pb2.PoolerConfig | None = None  # a pooling server's defaults (--runner pooling); None: generate
     tools: ToolSupport = field(default_factory=ToolSupport.named)
     images: ImageInputs | None = None  # the served model's image processing; None: text only
+    # --trust-request-chat-template: a chat may bring its own template (rendered in the same sandbox, but a
+    # template can loop for as long as it likes, so only trusted clients should be let to send one).
+    trust_request_chat_template: bool = False
 
     def prepare(self, prompt: Prompt, sampling: common_pb2.SamplingParams, request_id: str) -> EngineRequest:
         """Raises ``InvalidArgument`` naming the first bad field: request id, tools, sampling, prompt, length.
@@ -118,12 +126,24 @@ class FrontDoor:
         pooling.check_runner("model", False, self.pooler is not None)
         v.check_request_id(request_id)
         check_prompt_size(prompt, self.limits.max_prompt_chars)
+        if isinstance(prompt, ChatPrompt):
+            check_template_fields(prompt, self.trust_request_chat_template)
         parser = None
+        tool_grammar = False
         if isinstance(prompt, ChatPrompt) and prompt.tools is not None:
             check_tools(prompt.tools)
-            sampling = self.tools.sampling(prompt.tools, sampling)
+            constrained = self.tools.sampling(prompt.tools, sampling)
+            tool_grammar, sampling = constrained is not sampling, constrained
             parser = self.tools.parser if prompt.tools.active else None
-        v.check_sampling(sampling, self.limits)
+        try:
+            v.check_sampling(sampling, self.limits)
+        except InvalidArgument as exc:
+            if not (tool_grammar and exc.field == "sampling.grammar"):
+                raise
+            # The grammar is the tools': a schema llguidance cannot compile, or too costly to build.
+            raise InvalidArgument("tools", str(exc).removeprefix(f"{exc.field}: ")) from None
+        if tool_grammar:
+            check_tool_values(prompt.tools, self.limits.grammars)
         if isinstance(prompt, TextPrompt) and prompt.text == "":
             raise InvalidArgument(prompt.field, "empty: give text or token ids")
         prompt, sources = self._take_images(prompt)
@@ -245,11 +265,45 @@ def _tokenize(tokenizer: TextTokenizer, prompt: Prompt, tools: ToolSupport | Non
         offered = prompt.tools.tools if prompt.tools is not None else []  # with tool_choice none too, as OpenAI
         tool_dicts = [tool.as_template_tool() for tool in offered]
         template = None
-        if needs_tool_template(prompt.messages, tool_dicts) and not tokenizer.chat_template.uses_tools:
+        if prompt.chat_template is not None:
+            try:
+                template = tokenizer.request_template(prompt.chat_template)
+            except ValueError as exc:
+                raise InvalidArgument("chat_template", str(exc)) from None
+        elif needs_tool_template(prompt.messages, tool_dicts) and not tokenizer.chat_template.uses_tools:
             template = tokenizer.template_for((tools or ToolSupport.named()).template_source)
-        return tokenizer.encode_chat(prompt.messages, tool_dicts, template)
+        try:
+            return tokenizer.encode_chat(prompt.messages, tool_dicts, template, prompt.chat_template_kwargs)
+        except InvalidArgument as exc:
+            if prompt.chat_template is None:
+                raise
+            raise InvalidArgument("chat_template", str(exc).removeprefix(f"{exc.field}: ")) from None
     v.check_text(prompt.field, prompt.text)
     return tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
+
+
+def check_template_fields(prompt: ChatPrompt, trusted: bool) -> None:
+    """A request's own chat template: allowed by the server, and of a bounded size; its kwargs: a mapping of
+    names that are not the conversation's own variables."""
+    if prompt.chat_template is not None:
+        if not trusted:
+            raise InvalidArgument(
+                "chat_template",
+                "a chat template per request is refused by this server (start it with --trust-request-chat-template"
+                " to accept one)",
+            )
+        if len(prompt.chat_template) > MAX_REQUEST_TEMPLATE_CHARS:
+            raise InvalidArgument(
+                "chat_template", f"at most {MAX_REQUEST_TEMPLATE_CHARS} characters, got {len(prompt.chat_template)}"
+            )
+    kwargs = prompt.chat_template_kwargs
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise InvalidArgument("chat_template_kwargs", "must be an object of template variables")
+    for name in kwargs:
+        if name in RESERVED:
+            raise InvalidArgument(f"chat_template_kwargs.{name}", "set by kvgrid from the request itself")
 
 
 def check_prompt_size(prompt: Prompt, max_chars: int) -> None:

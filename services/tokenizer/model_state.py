@@ -39,10 +39,13 @@ class ModelState:
         tools: ToolSupport | None = None,
         chat_template: str = "",
         media: MediaPolicy | None = None,
+        trust_request_chat_template: bool = False,
     ):
         """``max_prompt_chars``: --max-prompt-chars (0: from the worker's max_model_len, see ``ModelLimits``);
         ``tools``: the tool-call parser and its template (--tool-call-parser); ``chat_template``: the source of
-        --chat-template, which replaces the model's own ('' keeps it)."""
+        --chat-template, which replaces the model's own ('' keeps it); ``trust_request_chat_template``: a chat
+        may bring its own (--trust-request-chat-template)."""
+        self.trust_request_chat_template = trust_request_chat_template
         self.scheduler_addr = scheduler_addr
         self._chat_template = chat_template
         self.media = media or MediaPolicy()  # where images may come from, and their limits
@@ -174,7 +177,10 @@ class ModelState:
         tokenizer, limits = self.require_serving()
         info = self.require_info()
         images = ImageInputs(ImageSpec.from_json(info.multimodal_config), self.media)
-        return FrontDoor(tokenizer, limits, info.pooler if info.HasField("pooler") else None, self.tools, images)
+        pooler = info.pooler if info.HasField("pooler") else None
+        return FrontDoor(
+            tokenizer, limits, pooler, self.tools, images, trust_request_chat_template=self.trust_request_chat_template
+        )
 
     def max_prompt_chars(self) -> int | None:
         """The prompt cap in characters once the model is known (None before: the front door's default)."""

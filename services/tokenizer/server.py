@@ -126,6 +126,7 @@ async def start_tokenizer(
         tools=ToolSupport.named(chat.tool_call_parser),
         chat_template=read_chat_template(chat.chat_template) if chat.chat_template else "",
         media=MediaPolicy.from_limits(limits),
+        trust_request_chat_template=chat.trust_request_chat_template,
     )
     engine = Router(addrs, state, routing, internal)
     generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state, engine, metrics), server)

@@ -16,21 +16,8 @@ from services.tokenizer.frontdoor import ChatPrompt, Prompt, TextPrompt, TokensP
 from services.tokenizer.generation import generate
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.model_state import ModelState
+from services.tokenizer.openai.tools.proto import ToolCallDeltas, chat_prompt_from_proto, messages_from_proto
 from services.tokenizer.request_metrics import RequestMetrics
-
-
-def _messages(messages) -> list[dict]:
-    """A message with images has parts: its images first, then its text."""
-    return [_message(i, m) for i, m in enumerate(messages)]
-
-
-def _message(i: int, m) -> dict:
-    if not m.images:
-        return {"role": m.role, "content": m.content}
-    images = [
-        {"type": "image", "image": data, "field": f"messages[{i}].images[{j}]"} for j, data in enumerate(m.images)
-    ]
-    return {"role": m.role, "content": [*images, {"type": "text", "text": m.content}]}
 
 
 class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
@@ -56,14 +43,14 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     @grpc_errors
     async def Chat(self, request: generate_pb2.ChatRequest, context) -> AsyncIterator:
         with RequestMetrics(self._metrics, request.request_id) as tracked:
-            async for out in self._run(request, ChatPrompt(_messages(request.messages)), context, tracked):
+            async for out in self._run(request, chat_prompt_from_proto(request), context, tracked):
                 yield out
 
     @grpc_errors
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context) -> generate_pb2.TokenizeResponse:
         tokenizer = self._state.require_tokenizer()
         if request.messages:
-            prompt = ChatPrompt(_messages(request.messages))
+            prompt = ChatPrompt(messages_from_proto(request.messages))
         else:
             prompt = TextPrompt(request.text, "text", request.add_special_tokens)
         token_ids = await tokenize_async(tokenizer, prompt, self._state.max_prompt_chars())
@@ -102,9 +89,11 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         )
 
     async def _run(self, request, prompt: Prompt, context, tracked: RequestMetrics) -> AsyncIterator:
-        """A Generate or Chat request through the front door and the engine (its own id, or a new one)."""
+        """A Generate or Chat request through the front door and the engine (its own id, or a new one); a chat
+        whose tools are active has its output read for calls."""
         door = self._state.front_door()
         prepared = await door.prepare_async(prompt, request.sampling, request.request_id or uuid.uuid4().hex)
+        calls = ToolCallDeltas(prepared.tool_parser) if prepared.tool_parser is not None else None
         stream = generate(
             self._engine,
             door.tokenizer,
@@ -115,7 +104,7 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         with _counted(self._state):  # generators nested directly: each level costs per response
             async with contextlib.aclosing(stream):
                 async for out in stream:
-                    yield out
+                    yield out if calls is None else calls.apply(out)
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 from collections.abc import Callable
 
 from tokenizers import AddedToken, Tokenizer, processors
@@ -24,6 +25,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+MAX_REQUEST_TEMPLATES = 16  # requests' own chat templates kept compiled (``request_template``)
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -93,6 +95,8 @@ class TextTokenizer:
         self._template_variables = variables
         self.chat_template = ChatTemplate(chat_template, variables) if chat_template else None
         self._templates: dict[str, ChatTemplate] = {}  # other templates by source (``template_for``)
+        self._request_templates: dict[str, ChatTemplate] = {}  # requests' own, least recently used first
+        self._request_templates_lock = threading.Lock()
         # A post-processor that adds no tokens (e.g. a template of "$A" alone) leaves the ids as they are but still
         # costs as much as the rest of a short prompt's encode: skip it then.
         self._post_adds_tokens = backend.num_special_tokens_to_add(False) > 0
@@ -162,6 +166,19 @@ class TextTokenizer:
             template = self._templates[source] = ChatTemplate(source, self._template_variables)
         return template
 
+    def request_template(self, source: str) -> ChatTemplate:
+        """A request's own chat template (vLLM's ``chat_template`` field), compiled in the same sandbox; the last
+        ``MAX_REQUEST_TEMPLATES`` are kept compiled. Raises ValueError when it does not compile."""
+        with self._request_templates_lock:  # requests are prepared on several threads
+            template = self._request_templates.pop(source, None)
+        if template is None:
+            template = ChatTemplate(source, self._template_variables)
+        with self._request_templates_lock:
+            self._request_templates[source] = template
+            while len(self._request_templates) > MAX_REQUEST_TEMPLATES:
+                self._request_templates.pop(next(iter(self._request_templates)))
+        return template
+
     def use_chat_template(self, source: str) -> None:
         """Render chats with ``source`` instead of the model's own template (``--chat-template``)."""
         self.chat_template = self.template_for(source)
@@ -172,18 +189,23 @@ class TextTokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
         template: ChatTemplate | None = None,
+        extra: dict | None = None,
     ) -> str:
         template = template or self.chat_template
         if template is None:
             raise ValueError("the model's tokenizer has no chat template")
-        return template.render(messages, add_generation_prompt, tools)
+        return template.render(messages, add_generation_prompt, tools, extra)
 
     def encode_chat(
-        self, messages: list[dict], tools: list[dict] | None = None, template: ChatTemplate | None = None
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        template: ChatTemplate | None = None,
+        extra: dict | None = None,
     ) -> list[int]:
-        """Rendered with the generation prompt (by ``template``, default the model's); the template writes its
-        own special tokens (BOS included)."""
-        return self.encode(self.render_chat(messages, True, tools, template), add_special_tokens=False)
+        """Rendered with the generation prompt (by ``template``, default the model's, with ``extra`` variables);
+        the template writes its own special tokens (BOS included)."""
+        return self.encode(self.render_chat(messages, True, tools, template, extra), add_special_tokens=False)
 
 
 def _set_bos_eos(backend: Tokenizer, special_tokens: dict[str, str], add_bos: bool, add_eos: bool) -> None:

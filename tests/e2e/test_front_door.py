@@ -197,9 +197,15 @@ def test_an_invalid_body_gets_the_same_problem_through_every_door(answers, case)
 
 def test_a_field_kvgrid_knows_and_does_not_support_is_refused_by_name(fp32_stack):
     base = f"http://127.0.0.1:{fp32_stack.ports['--http-port']}"
+    status, body = post(base, CHAT, {"messages": QUESTION, "continue_final_message": True})
+    assert status == 400 and body["error"]["param"] == "continue_final_message", body
+    assert body["error"]["message"] == (
+        "continue_final_message: not supported by kvgrid (continuing the final message)"
+    )
+    # A request's own chat template: served only by a server started with --trust-request-chat-template.
     status, body = post(base, CHAT, {"messages": QUESTION, "chat_template": "{{ messages }}"})
     assert status == 400 and body["error"]["param"] == "chat_template", body
-    assert body["error"]["message"] == "chat_template: not supported by kvgrid (a chat template per request)"
+    assert "--trust-request-chat-template" in body["error"]["message"]
     status, body = post(base, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "logit_bias": {"50": 10}})
     assert status == 400 and body["error"]["param"] == "logit_bias", body
     # The values that mean "off" pass, and unknown fields stay ignored, as OpenAI's server does.

@@ -117,6 +117,82 @@ def test_a_stream_has_the_typed_events_in_order_and_the_same_text(client, model)
     assert item_ids == {final.output[0].id}
 
 
+ADD = {
+    "type": "function",
+    "name": "add",
+    "description": "Add two integers",
+    "parameters": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+}
+CALL_EVENTS = [
+    "response.output_item.added",
+    "response.function_call_arguments.delta",
+    "response.function_call_arguments.done",
+    "response.output_item.done",
+]
+
+
+def test_function_call_items_whole_and_streamed_then_answered(client, model):
+    """A named function: one function_call item whose arguments validate; the stream's argument deltas, in
+    order, join to exactly those arguments; the call and its output as input items get a text answer."""
+    ask = [{"role": "user", "content": "Add 2 and 3."}]
+    request = dict(
+        model=model,
+        input=ask,
+        tools=[ADD],
+        tool_choice={"type": "function", "name": "add"},
+        parallel_tool_calls=False,
+        max_output_tokens=60,
+        temperature=0,
+    )
+    whole = client.responses.create(**request)
+    assert whole.status == "completed" and whole.output_text == ""
+    (call,) = whole.output
+    assert call.type == "function_call" and call.name == "add" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), ADD["parameters"])
+
+    with client.responses.stream(**request) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert collapse(types) == ["response.created", "response.in_progress", *CALL_EVENTS, "response.completed"]
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == call.arguments
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert done.arguments == call.arguments
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert added.item.type == "function_call" and added.item.name == "add"
+    (streamed,) = final.output
+    assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
+    assert {e.item_id for e in events if hasattr(e, "item_id")} == {streamed.id}
+
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "5"}
+    answer = client.responses.create(
+        model=model,
+        input=[*ask, call.model_dump(exclude_none=True), result],
+        tools=[ADD],
+        tool_choice="none",
+        max_output_tokens=12,
+        temperature=0,
+    )
+    assert answer.output_text and all(item.type == "message" for item in answer.output)
+    assert answer.usage.input_tokens > whole.usage.input_tokens
+
+
+def test_a_chat_message_without_calls_has_no_tool_calls_key(client, model):
+    """As OpenAI answers: ``tool_calls`` is absent (not ``[]``) from a message that carries none."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=4, temperature=0
+    )
+    message = raw.http_response.json()["choices"][0]["message"]
+    assert "tool_calls" not in message and message["content"]
+
+
 def test_text_format_json_schema_gives_valid_json(client, model):
     fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
     out = client.responses.create(

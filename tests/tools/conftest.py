@@ -7,7 +7,8 @@ from openai import OpenAI
 
 from tests.e2e.stack import Stack, running_stack
 
-ARGS = ["--dtype", "float32", "--kv-cache-memory", "512MiB", "--max-model-len", "4096"]
+# A chat may bring its own template here (tests/tools/test_request_template.py).
+ARGS = ["--dtype", "float32", "--kv-cache-memory", "512MiB", "--max-model-len", "4096", "--trust-request-chat-template"]
 
 
 @pytest.fixture(scope="session")

@@ -13,12 +13,21 @@ import pytest
 from openai import AsyncOpenAI
 
 from tests.tools.schemas import TOOLS
+from tests.tools.schemas import tool as function_tool
 
 pytestmark = pytest.mark.timeout(900)
 
 ASK = [{"role": "user", "content": "What is the weather in Paris? Use the tools."}]
 WEATHER = TOOLS[0]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def nested(levels: int) -> dict:
+    """An object schema ``levels`` objects deep (each level two JSON levels: the schema and its properties)."""
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
 
 
 def check_calls(message, names: set[str]) -> None:
@@ -135,7 +144,7 @@ def test_streamed_calls_equal_unstreamed(client, model, tool_choice):
     request = dict(model=model, messages=ASK, tools=TOOLS[:5], tool_choice=tool_choice, temperature=0, max_tokens=80)
     whole = client.chat.completions.create(**request).choices[0]
     content, calls, finish = streamed_message(client, **request)
-    expected = [{"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls]
+    expected = [{"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls or []]
     assert calls == expected
     assert content == (whole.message.content or "")
     assert finish == whole.finish_reason
@@ -183,6 +192,19 @@ def test_round_trip_with_a_tool_result(client, model):
         ),
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", ""),
         ({"functions": [{"name": "f"}]}, "functions", "not supported"),
+        # Schemas the grammar engine cannot take: a clear 400 before any work, never a hang or a 500.
+        ({"tools": [function_tool("deep", "", {"x": nested(60)})]}, "tools[0].function.parameters", "levels deep"),
+        (
+            {"tools": [function_tool("big", "", {"x": {"enum": [f"v{i}" for i in range(20000)]}})]},
+            "tools",
+            "characters",
+        ),
+        ({"tools": [function_tool("bad", "", {"x": {"type": "string", "pattern": "(("}})]}, "tools", "unclosed group"),
+        (  # a costly pattern on an argument the grammar's first tokens do not reach
+            {"tools": [function_tool("slow", "", {"a": {"type": "integer"}, "b": {"pattern": "^(a{1000}){1000}$"}})]},
+            "tools[0].function.parameters",
+            "too costly",
+        ),
     ],
 )
 def test_errors_name_the_field(client, model, extra, param, message):

@@ -1,5 +1,6 @@
 """LangChain's OpenAI chat model against a real `kvgrid serve`: `bind_tools` yields tool calls whose arguments
-validate, and `with_structured_output` returns the schema's object."""
+validate, and `with_structured_output` returns the schema's object both as a forced call (function_calling: a
+pydantic schema, which leaves additionalProperties unsaid) and as a response format (json_schema)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ class City(BaseModel):
     population: int = Field(ge=0, le=10**8)
 
 
-def test_with_structured_output(base_url, model):
-    llm = chat_model(base_url, model, max_tokens=80).with_structured_output(City, method="json_schema")
-    city = llm.invoke("Name a large city.")
-    assert isinstance(city, City)
+@pytest.mark.parametrize("method", ["function_calling", "json_schema"])
+def test_with_structured_output(base_url, model, method):
+    llm = chat_model(base_url, model, max_tokens=80).with_structured_output(City, method=method, include_raw=True)
+    out = llm.invoke("Name a large city.")
+    assert out["parsing_error"] is None, out
+    assert isinstance(out["parsed"], City), out

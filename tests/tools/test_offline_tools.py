@@ -49,3 +49,18 @@ def test_bad_tool_choice(llm):
             tool_choice={"type": "function", "function": {"name": "nope"}},
             use_tqdm=False,
         )
+
+
+def test_a_chat_template_of_its_own(llm):
+    """As vLLM's ``LLM.chat(chat_template=..., chat_template_kwargs=...)``: the prompt is what that template renders."""
+    from kvgrid import SamplingParams
+
+    qa = "{% if preamble %}{{ preamble }}\n{% endif %}Q: {{ messages[-1].content }}\nA:"
+    (out,) = llm.chat(
+        [{"role": "user", "content": "Hi."}],
+        SamplingParams(max_tokens=1),
+        use_tqdm=False,
+        chat_template=qa,
+        chat_template_kwargs={"preamble": "Be brief."},
+    )
+    assert out.prompt_token_ids == llm.tokenizer.encode("Be brief.\nQ: Hi.\nA:", add_special_tokens=False)

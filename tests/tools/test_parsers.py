@@ -61,6 +61,33 @@ SAMPLES: dict[str, list[tuple[str, str, list[tuple[str, dict]]]]] = {
         ('[{"name": "now", "arguments": {}}]', "", [("now", {})]),
         ("[1, 2]", "[1, 2]", []),
     ],
+    "pythonic": [
+        ("Plain answer [with brackets].", "Plain answer [with brackets].", []),
+        ('[get_weather(city="Paris", unit="celsius")]', "", [("get_weather", W)]),
+        (
+            "<|python_start|>[search(q='a \\'quoted\\' } ] ) ( text',"
+            " filters={'tags': ('x', \"y\"), 'n': [1, 2.5, -3e2]}, ok=True), now()]<|python_end|>",
+            "",
+            [
+                (
+                    "search",
+                    {
+                        "q": "a 'quoted' } ] ) ( text",
+                        "filters": {"tags": ["x", "y"], "n": [1, 2.5, -300.0]},
+                        "ok": True,
+                    },
+                ),
+                ("now", {}),
+            ],
+        ),
+        (
+            '[f(a="""x""", b=\'\', c=None, d=null, e=false)]',
+            "",
+            [("f", {"a": "x", "b": "", "c": None, "d": None, "e": False})],
+        ),
+        ("[1, 2]", "[1, 2]", []),
+        ("[get_weather is nice]", "[get_weather is nice]", []),
+    ],
 }
 CASES = [
     pytest.param(name, *sample, id=f"{name}-{i}")
@@ -129,3 +156,19 @@ def test_truncated_call_is_kept_incomplete():
 def test_unknown_parser():
     with pytest.raises(ValueError, match="unknown tool-call parser 'nope'; one of hermes"):
         get_parser("nope")
+
+
+@pytest.mark.parametrize(
+    ("text", "arguments"),
+    [
+        ("[f(a=1, b=g())]", '{"a": 1'),  # a call is not a literal: the call ends unfinished there
+        ("[f(a=1, b=__import__('os'))]", '{"a": 1'),
+        ("[f(a=1, b={1, 2})]", '{"a": 1'),  # a set has no JSON form
+        ("[f(a=1e999)]", "{"),  # nor has infinity
+        ('[f(a="x", "y")]', '{"a": "x"'),  # positional arguments are not read
+    ],
+)
+def test_pythonic_reads_literals_only(text, arguments):
+    (call,) = get_parser("pythonic").parse(text, final=True).calls
+    assert (call.name, call.arguments, call.complete) == ("f", arguments, False)
+    assert streamed("pythonic", list(text)) == ("", [{"name": "f", "arguments": arguments}])

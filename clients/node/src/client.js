@@ -54,9 +54,21 @@ export class KvgridClient {
     return this.#stream('Generate', request, options);
   }
 
-  /** Completes a conversation `[{role, content}, ...]` with the model's chat template; yields like generate. */
+  /**
+   * Completes a conversation `[{role, content}, ...]` with the model's chat template; yields like generate.
+   * An assistant message may carry `toolCalls` (`[{id, type, function: {name, arguments}}]`), a tool message
+   * its `toolCallId`. `options` may also hold `tools` (OpenAI's `[{type: 'function', function: {name,
+   * description, parameters}}]`, parameters a JSON schema object), `toolChoice` ('auto', 'none', 'required' or
+   * `{type: 'function', function: {name}}`) and `parallelToolCalls`; each delta's `toolCalls` then holds
+   * pieces of the calls in OpenAI's shape and the last finishReason is 'tool_calls' when the answer is calls.
+   */
   chat(messages, options = {}) {
-    return this.#stream('Chat', { messages }, options);
+    const { tools, toolChoice, parallelToolCalls, ...rest } = options;
+    const request = { messages };
+    if (tools !== undefined) request.tools = tools.map(protoTool);
+    if (toolChoice !== undefined) request.toolChoice = protoToolChoice(toolChoice);
+    if (parallelToolCalls !== undefined) request.parallelToolCalls = parallelToolCalls;
+    return this.#stream('Chat', request, rest);
   }
 
   /** `{tokenIds, tokens}` of `text`, or of chat `messages` rendered with the template when given. */
@@ -98,6 +110,16 @@ export class KvgridClient {
     }
     return sampling;
   }
+}
+
+function protoTool({ type = 'function', function: fn }) {
+  const { name, description = '', parameters } = fn;
+  const schema = parameters === undefined ? '' : JSON.stringify(parameters);
+  return { type, function: { name, description, parameters: schema } };
+}
+
+function protoToolChoice(choice) {
+  return typeof choice === 'string' ? { mode: choice } : { mode: 'function', functionName: choice.function.name };
 }
 
 function callOptions(timeoutMs) {

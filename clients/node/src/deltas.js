@@ -10,6 +10,7 @@ export function toDelta(message) {
     usage: message.usage ?? null,
     logprobs: message.logprobs,
     requestId: message.requestId,
+    toolCalls: message.toolCalls ?? [],
   };
 }
 

@@ -43,7 +43,10 @@ test('a prompt given as token ids goes in prompt_token_ids', async () => {
 
 test('deltas carry text and ids; only the last has finishReason and usage', async () => {
   const deltas = await collect(client.chat([{ role: 'user', content: 'hi' }]));
-  assert.deepEqual(server.requests.at(-1).messages, [{ role: 'user', content: 'hi' }]);
+  assert.deepEqual(
+    server.requests.at(-1).messages.map(({ role, content }) => ({ role, content })),
+    [{ role: 'user', content: 'hi' }],
+  );
   assert.deepEqual(
     deltas.map((d) => d.text),
     REPLY,
@@ -144,4 +147,26 @@ test('an API key (option, else KVGRID_API_KEY) goes on every call as a bearer to
   assert.deepEqual(server.authorizations.at(-1), ['Bearer k-env']);
   await collect(client.generate('x'));
   assert.deepEqual(server.authorizations.at(-1), []);
+});
+
+test('chat sends tools, toolChoice and parallelToolCalls as the proto fields', async () => {
+  const parameters = { type: 'object', properties: { a: { type: 'integer' } } };
+  const tools = [{ type: 'function', function: { name: 'add', description: 'Add', parameters } }];
+  const call = { id: 'call_1', type: 'function', function: { name: 'add', arguments: '{"a": 1}' } };
+  const messages = [
+    { role: 'user', content: 'hi' },
+    { role: 'assistant', content: '', toolCalls: [call] },
+    { role: 'tool', content: '2', toolCallId: 'call_1' },
+  ];
+  const choice = { type: 'function', function: { name: 'add' } };
+  await collect(client.chat(messages, { tools, toolChoice: choice, parallelToolCalls: false, maxTokens: 3 }));
+  const request = server.requests.at(-1);
+  assert.deepEqual(request.tools, [
+    { type: 'function', function: { name: 'add', description: 'Add', parameters: JSON.stringify(parameters) } },
+  ]);
+  assert.deepEqual(request.toolChoice, { mode: 'function', functionName: 'add' });
+  assert.equal(request.parallelToolCalls, false);
+  assert.deepEqual(request.messages[1].toolCalls, [call]);
+  assert.equal(request.messages[2].toolCallId, 'call_1');
+  assert.equal(request.sampling.maxTokens, 3);
 });

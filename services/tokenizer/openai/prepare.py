@@ -83,7 +83,12 @@ async def prepare_chat(req: ChatCompletionRequest, door: FrontDoor, served: str)
     tools = tool_request(req)
     if tools is not None and tools.active:
         fields.names["grammar"] = "tools"  # the grammar is the tools' (a schema that does not compile)
-    prompt = ChatPrompt(chat_messages(req.messages), tools=tools)
+    prompt = ChatPrompt(
+        chat_messages(req.messages),
+        tools=tools,
+        chat_template=req.chat_template,
+        chat_template_kwargs=req.chat_template_kwargs,
+    )
     prepared = await _named_async(lambda: door.prepare_async(prompt, fields.params, request_id), fields)
     renderer = Renderer(
         True, request_id, model, req.n, p.num_top_logprobs(req), {}, None, req.prompt_logprobs, prepared.tool_parser

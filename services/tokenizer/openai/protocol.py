@@ -45,8 +45,6 @@ CHAT_UNSUPPORTED = {
     "modalities": ((None, ["text"]), "output other than text"),
     "prediction": ((None,), "predicted outputs"),
     "web_search_options": ((None,), "web search"),
-    "chat_template": ((None,), "a chat template per request"),
-    "chat_template_kwargs": ((None, {}), "chat template arguments"),
     "continue_final_message": ((None, False), "continuing the final message"),
     "add_generation_prompt": ((None, True), "a conversation without the assistant's turn opened"),
     "echo": ((None, False), "echo in chat; it is a /v1/completions field"),
@@ -247,6 +245,9 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ToolParam] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: the request's own Jinja chat template (--trust-request-chat-template) and more template variables.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1, lt=2**32)] | None = None
     logprobs: bool = False
     top_logprobs: UInt32 | None = None

@@ -121,7 +121,7 @@ class Renderer:
             r.ToolCallOut(id=new_call_id(), function=r.FunctionCall(name=c.name, arguments=c.arguments))
             for c in parsed.calls
         ]
-        return r.AssistantMessage(content=parsed.content or (None if calls else ""), tool_calls=calls)
+        return r.AssistantMessage(content=parsed.content or (None if calls else ""), tool_calls=calls or None)
 
     def _has_calls(self, index: int) -> bool:
         if self.tool_parser is None:

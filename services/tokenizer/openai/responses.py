@@ -77,7 +77,8 @@ class ToolCallOut(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None when the answer is tool calls alone
-    tool_calls: list[ToolCallOut] = []
+    # Absent from a message that carries no calls, as OpenAI's API answers (not an empty list).
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda v: not v)
 
 
 class ChatChoice(BaseModel):

@@ -37,19 +37,54 @@ class ToolParser:
         """Lark rules of ``body``: one call's JSON object, its arguments held to the tool's schema."""
         names = [f"body_{i}" for i in range(len(tools))]
         rules = [f"body: {' | '.join(names)}"]
-        rules += [
-            f"{name}: %json {json.dumps(self.call_schema(tool))}" for name, tool in zip(names, tools, strict=True)
-        ]
+        rules += [f"{name}: %json {compact(self.call_schema(tool))}" for name, tool in zip(names, tools, strict=True)]
         return "\n".join(rules)
 
     def call_schema(self, tool: FunctionTool) -> dict:
+        parameters = closed_schema(tool.parameters or {"type": "object"})
         return {
             "x-guidance": {**JSON_OPTIONS, "lenient": True},  # keywords llguidance lacks are ignored
+            **root_definitions(parameters),  # "#/$defs/..." references resolve from the root
             "type": "object",
-            "properties": {"name": {"const": tool.name}, self.args_key: tool.parameters or {"type": "object"}},
+            "properties": {"name": {"const": tool.name}, self.args_key: parameters},
             "required": ["name", self.args_key],
             "additionalProperties": False,
         }
+
+
+DEFINITIONS = ("$defs", "definitions")
+_NOT_SCHEMAS = frozenset({"enum", "const", "default", "examples", "required"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def compact(schema: dict) -> str:
+    """A schema as the shortest JSON text: grammars are held to ``MAX_SPEC_CHARS``."""
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def root_definitions(schema: dict) -> dict:
+    """The ``$defs`` / ``definitions`` of ``schema``, which its ``#/...`` references name from its root."""
+    return {key: schema[key] for key in DEFINITIONS if key in schema}
+
+
+def closed_schema(schema):
+    """``schema`` with every object schema that lists ``properties`` and says nothing of others closed
+    (``additionalProperties: false``), as OpenAI's strict function calling closes them: the grammar lets
+    the model write the arguments a function declares, not keys it invents (a small model invents them
+    until ``max_tokens``). A schema that allows other properties explicitly keeps them."""
+    if isinstance(schema, list):
+        return [closed_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> schema
+            out[key] = {name: closed_schema(item) for name, item in value.items()}
+        else:
+            out[key] = value if key in _NOT_SCHEMAS else closed_schema(value)
+    if isinstance(schema.get("properties"), dict) and not {"additionalProperties", "patternProperties"} & set(schema):
+        out["additionalProperties"] = False
+    return out
 
 
 def held_suffix(text: str, marker: str) -> int:

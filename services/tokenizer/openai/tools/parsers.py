@@ -6,5 +6,8 @@ from services.tokenizer.openai.tools.hermes import HermesParser
 from services.tokenizer.openai.tools.llama3_json import Llama3JsonParser
 from services.tokenizer.openai.tools.mistral import MistralParser
 from services.tokenizer.openai.tools.parser import ToolParser
+from services.tokenizer.openai.tools.pythonic import PythonicParser
 
-PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, PythonicParser)
+}

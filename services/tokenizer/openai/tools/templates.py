@@ -7,7 +7,7 @@ import functools
 import os
 from importlib import resources
 
-SHIPPED = ("hermes", "llama3_json", "mistral")
+SHIPPED = ("hermes", "llama3_json", "mistral", "pythonic")
 
 
 @functools.cache
