@@ -171,7 +171,7 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
 def group_block_bytes(loaded: LoadedModel, block_size: int, tp: int) -> int:
     """One block of the whole model's cache: all layers (every stage's), all KV heads (every shard's)."""
     a = loaded.args
-    num_layers = loaded.hf_config.num_hidden_layers
+    num_layers = loaded.hf_config.get_text_config().num_hidden_layers  # a vision model: its language model's
     return bytes_per_block(num_layers, block_size, a.num_kv_heads * tp, a.head_dim, loaded.dtype.itemsize)
 
 
