@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvgrid.v1 import common_pb2 as kvgrid_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvgrid/v1/generate.proto\x12\tkvgrid.v1\x1a\x16kvgrid/v1/common.proto\"|\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\x0b\x43hatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvgrid.v1.ChatMessage\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\xdd\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.kvgrid.v1.Usage\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvgrid.v1.TokenLogprob\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.kvgrid.v1.PromptLogprob\"e\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.kvgrid.v1.ChatMessage\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"F\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1e\n\x16include_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xcf\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x0e\n\x06runner\x18\t \x01(\t\x12\x17\n\x0fsupported_tasks\x18\n \x03(\t\"\x8a\x01\n\x0c\x45mbedRequest\x12\r\n\x05input\x18\x01 \x03(\t\x12,\n\x0finput_token_ids\x18\x02 \x03(\x0b\x32\x13.kvgrid.v1.TokenIds\x12)\n\x07pooling\x18\x03 \x01(\x0b\x32\x18.kvgrid.v1.PoolingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"h\n\rEmbedResponse\x12\"\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x14.kvgrid.v1.Embedding\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.kvgrid.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"-\n\tEmbedding\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\tembedding\x18\x02 \x03(\x02\x32\xa8\x03\n\x0eTextGeneration\x12\x45\n\x08Generate\x12\x1a.kvgrid.v1.GenerateRequest\x1a\x1b.kvgrid.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.kvgrid.v1.ChatRequest\x1a\x1b.kvgrid.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.kvgrid.v1.TokenizeRequest\x1a\x1b.kvgrid.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.kvgrid.v1.DetokenizeRequest\x1a\x1d.kvgrid.v1.DetokenizeResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvgrid.v1.GetModelInfoRequest\x1a\x14.kvgrid.v1.ModelInfo\x12:\n\x05\x45mbed\x12\x17.kvgrid.v1.EmbedRequest\x1a\x18.kvgrid.v1.EmbedResponseB\x96\x01\n\x0cio.kvgrid.v1B\rGenerateProtoP\x01Z2github.com/kvgrid/kvgrid/gen/go/kvgrid/v1;kvgridv1\xa2\x02\x03KVG\xaa\x02\tKvgrid.V1\xca\x02\tKvgrid\\V1\xe2\x02\x15Kvgrid\\V1\\GPBMetadata\xea\x02\nKvgrid::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvgrid/v1/generate.proto\x12\tkvgrid.v1\x1a\x16kvgrid/v1/common.proto\"\x8f\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x11\n\tlora_name\x18( \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x8b\x01\n\x0b\x43hatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvgrid.v1.ChatMessage\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tlora_name\x18( \x01(\t\"\xdd\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.kvgrid.v1.Usage\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvgrid.v1.TokenLogprob\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.kvgrid.v1.PromptLogprob\"e\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.kvgrid.v1.ChatMessage\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"F\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1e\n\x16include_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xcf\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x0e\n\x06runner\x18\t \x01(\t\x12\x17\n\x0fsupported_tasks\x18\n \x03(\t\"\x8a\x01\n\x0c\x45mbedRequest\x12\r\n\x05input\x18\x01 \x03(\t\x12,\n\x0finput_token_ids\x18\x02 \x03(\x0b\x32\x13.kvgrid.v1.TokenIds\x12)\n\x07pooling\x18\x03 \x01(\x0b\x32\x18.kvgrid.v1.PoolingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"h\n\rEmbedResponse\x12\"\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x14.kvgrid.v1.Embedding\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.kvgrid.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"-\n\tEmbedding\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\tembedding\x18\x02 \x03(\x02\x32\xa8\x03\n\x0eTextGeneration\x12\x45\n\x08Generate\x12\x1a.kvgrid.v1.GenerateRequest\x1a\x1b.kvgrid.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.kvgrid.v1.ChatRequest\x1a\x1b.kvgrid.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.kvgrid.v1.TokenizeRequest\x1a\x1b.kvgrid.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.kvgrid.v1.DetokenizeRequest\x1a\x1d.kvgrid.v1.DetokenizeResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvgrid.v1.GetModelInfoRequest\x1a\x14.kvgrid.v1.ModelInfo\x12:\n\x05\x45mbed\x12\x17.kvgrid.v1.EmbedRequest\x1a\x18.kvgrid.v1.EmbedResponseB\x96\x01\n\x0cio.kvgrid.v1B\rGenerateProtoP\x01Z2github.com/kvgrid/kvgrid/gen/go/kvgrid/v1;kvgridv1\xa2\x02\x03KVG\xaa\x02\tKvgrid.V1\xca\x02\tKvgrid\\V1\xe2\x02\x15Kvgrid\\V1\\GPBMetadata\xea\x02\nKvgrid::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,34 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvgrid.v1.generate_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\014io.kvgrid.v1B\rGenerateProtoP\001Z2github.com/kvgrid/kvgrid/gen/go/kvgrid/v1;kvgridv1\242\002\003KVG\252\002\tKvgrid.V1\312\002\tKvgrid\\V1\342\002\025Kvgrid\\V1\\GPBMetadata\352\002\nKvgrid::V1'
-  _globals['_GENERATEREQUEST']._serialized_start=63
-  _globals['_GENERATEREQUEST']._serialized_end=187
-  _globals['_CHATMESSAGE']._serialized_start=189
-  _globals['_CHATMESSAGE']._serialized_end=233
-  _globals['_CHATREQUEST']._serialized_start=235
-  _globals['_CHATREQUEST']._serialized_end=355
-  _globals['_GENERATERESPONSE']._serialized_start=358
-  _globals['_GENERATERESPONSE']._serialized_end=579
-  _globals['_TOKENIZEREQUEST']._serialized_start=581
-  _globals['_TOKENIZEREQUEST']._serialized_end=682
-  _globals['_TOKENIZERESPONSE']._serialized_start=684
-  _globals['_TOKENIZERESPONSE']._serialized_end=737
-  _globals['_DETOKENIZEREQUEST']._serialized_start=739
-  _globals['_DETOKENIZEREQUEST']._serialized_end=809
-  _globals['_DETOKENIZERESPONSE']._serialized_start=811
-  _globals['_DETOKENIZERESPONSE']._serialized_end=845
-  _globals['_GETMODELINFOREQUEST']._serialized_start=847
-  _globals['_GETMODELINFOREQUEST']._serialized_end=868
-  _globals['_MODELINFO']._serialized_start=871
-  _globals['_MODELINFO']._serialized_end=1078
-  _globals['_EMBEDREQUEST']._serialized_start=1081
-  _globals['_EMBEDREQUEST']._serialized_end=1219
-  _globals['_TOKENIDS']._serialized_start=1221
-  _globals['_TOKENIDS']._serialized_end=1250
-  _globals['_EMBEDRESPONSE']._serialized_start=1252
-  _globals['_EMBEDRESPONSE']._serialized_end=1356
-  _globals['_EMBEDDING']._serialized_start=1358
-  _globals['_EMBEDDING']._serialized_end=1403
-  _globals['_TEXTGENERATION']._serialized_start=1406
-  _globals['_TEXTGENERATION']._serialized_end=1830
+  _globals['_GENERATEREQUEST']._serialized_start=64
+  _globals['_GENERATEREQUEST']._serialized_end=207
+  _globals['_CHATMESSAGE']._serialized_start=209
+  _globals['_CHATMESSAGE']._serialized_end=253
+  _globals['_CHATREQUEST']._serialized_start=256
+  _globals['_CHATREQUEST']._serialized_end=395
+  _globals['_GENERATERESPONSE']._serialized_start=398
+  _globals['_GENERATERESPONSE']._serialized_end=619
+  _globals['_TOKENIZEREQUEST']._serialized_start=621
+  _globals['_TOKENIZEREQUEST']._serialized_end=722
+  _globals['_TOKENIZERESPONSE']._serialized_start=724
+  _globals['_TOKENIZERESPONSE']._serialized_end=777
+  _globals['_DETOKENIZEREQUEST']._serialized_start=779
+  _globals['_DETOKENIZEREQUEST']._serialized_end=849
+  _globals['_DETOKENIZERESPONSE']._serialized_start=851
+  _globals['_DETOKENIZERESPONSE']._serialized_end=885
+  _globals['_GETMODELINFOREQUEST']._serialized_start=887
+  _globals['_GETMODELINFOREQUEST']._serialized_end=908
+  _globals['_MODELINFO']._serialized_start=911
+  _globals['_MODELINFO']._serialized_end=1118
+  _globals['_EMBEDREQUEST']._serialized_start=1121
+  _globals['_EMBEDREQUEST']._serialized_end=1259
+  _globals['_TOKENIDS']._serialized_start=1261
+  _globals['_TOKENIDS']._serialized_end=1290
+  _globals['_EMBEDRESPONSE']._serialized_start=1292
+  _globals['_EMBEDRESPONSE']._serialized_end=1396
+  _globals['_EMBEDDING']._serialized_start=1398
+  _globals['_EMBEDDING']._serialized_end=1443
+  _globals['_TEXTGENERATION']._serialized_start=1446
+  _globals['_TEXTGENERATION']._serialized_end=1870
 # @@protoc_insertion_point(module_scope)

@@ -32,7 +32,7 @@ class MemoryProfile(_message.Message):
     def __init__(self, method: _Optional[str] = ..., total_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., peak_activation_bytes: _Optional[int] = ..., non_torch_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("model", "architecture", "dtype", "device", "block_size", "num_blocks", "bytes_per_block", "max_model_len", "vocab_size", "eos_token_ids", "memory", "tokenizer_files", "max_num_batched_tokens", "max_num_seqs", "worker_id", "load_seconds", "num_host_blocks", "kv_tiers", "sliding_window", "pooler")
+    __slots__ = ("model", "architecture", "dtype", "device", "block_size", "num_blocks", "bytes_per_block", "max_model_len", "vocab_size", "eos_token_ids", "memory", "tokenizer_files", "max_num_batched_tokens", "max_num_seqs", "worker_id", "load_seconds", "num_host_blocks", "kv_tiers", "sliding_window", "pooler", "max_loras")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class HandshakeResponse(_message.Message):
     KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     POOLER_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     dtype: str
@@ -80,7 +81,8 @@ class HandshakeResponse(_message.Message):
     kv_tiers: _containers.RepeatedScalarFieldContainer[str]
     sliding_window: int
     pooler: PoolerConfig
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., memory: _Optional[_Union[MemoryProfile, _Mapping]] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., worker_id: _Optional[str] = ..., load_seconds: _Optional[float] = ..., num_host_blocks: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ..., pooler: _Optional[_Union[PoolerConfig, _Mapping]] = ...) -> None: ...
+    max_loras: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., memory: _Optional[_Union[MemoryProfile, _Mapping]] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., worker_id: _Optional[str] = ..., load_seconds: _Optional[float] = ..., num_host_blocks: _Optional[int] = ..., kv_tiers: _Optional[_Iterable[str]] = ..., sliding_window: _Optional[int] = ..., pooler: _Optional[_Union[PoolerConfig, _Mapping]] = ..., max_loras: _Optional[int] = ...) -> None: ...
 
 class PoolerConfig(_message.Message):
     __slots__ = ("pooling_type", "normalize", "hidden_size")
@@ -103,7 +105,7 @@ class KvTierBlock(_message.Message):
     def __init__(self, block_id: _Optional[int] = ..., host_slot: _Optional[int] = ..., redis_key: _Optional[str] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "trace_context", "kv_loads", "num_prompt_logprobs_done", "pooling")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "trace_context", "kv_loads", "num_prompt_logprobs_done", "pooling", "lora")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +124,7 @@ class NewRequest(_message.Message):
     KV_LOADS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_LOGPROBS_DONE_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
@@ -133,7 +136,8 @@ class NewRequest(_message.Message):
     kv_loads: _containers.RepeatedCompositeFieldContainer[KvTierBlock]
     num_prompt_logprobs_done: int
     pooling: _common_pb2.PoolingParams
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., kv_loads: _Optional[_Iterable[_Union[KvTierBlock, _Mapping]]] = ..., num_prompt_logprobs_done: _Optional[int] = ..., pooling: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ...) -> None: ...
+    lora: _common_pb2.LoraRequest
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., kv_loads: _Optional[_Iterable[_Union[KvTierBlock, _Mapping]]] = ..., num_prompt_logprobs_done: _Optional[int] = ..., pooling: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., lora: _Optional[_Union[_common_pb2.LoraRequest, _Mapping]] = ...) -> None: ...
 
 class RunningRequest(_message.Message):
     __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens")

@@ -10,6 +10,7 @@ import torch
 from kvgrid.v1 import common_pb2
 from services.worker.attention.base import AttentionMetadata
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from services.worker.lora.manager import LoraManager
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.pooling import pool_step
 from services.worker.request_state import RequestState
@@ -55,6 +56,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # decode steps replayed from CUDA graphs, see use_decode_graphs
         # Tensor parallel: gets each step's inputs before the forward, to run it on the other ranks too.
         self.step_listener: Callable[[StepInputs], None] | None = None
+        self.lora: LoraManager | None = None  # --enable-lora: maps each step's rows to their adapters
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Decode steps of up to ``max_num_seqs`` requests through ``DecodeGraphs``; ``capture`` on CUDA
@@ -102,6 +104,8 @@ class ModelRunner:
                 sampling_requests.append(r)
         width = max(len(t) for t in tables)
         query_lens = [r.num_scheduled_tokens for r in batch]
+        if self.lora is not None:
+            self.lora.prepare([r.lora for r in batch], query_lens)
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),

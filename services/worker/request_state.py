@@ -30,6 +30,7 @@ class RequestState:
     prompt_logprobs_next: int = 1
     prompt_logprobs_out: list = field(default_factory=list)
     pooling: PoolingState | None = None  # a pooling request: its prompt is pooled, nothing is sampled
+    lora: tuple[str, str] | None = None  # (name, path) of its LoRA adapter; None: the base model
 
     @property
     def samples_this_step(self) -> bool:
@@ -48,6 +49,7 @@ class RequestStates:
         max_model_len: int,
         make_sampling: SamplingFactory,
         pooling: bool = False,
+        lora: bool = False,
     ):
         """``pooling``: the worker runs the model as a pooling model (--runner pooling) and takes pooling requests
         only; otherwise generation requests only."""
@@ -57,6 +59,7 @@ class RequestStates:
         self.max_model_len = max_model_len
         self.make_sampling = make_sampling
         self.pooling = pooling
+        self.lora = lora  # the worker serves LoRA adapters (--enable-lora)
         self.requests: dict[str, RequestState] = {}
 
     def apply(self, plan: worker_pb2.StepPlan) -> list[RequestState]:
@@ -91,6 +94,7 @@ class RequestStates:
                 num_scheduled_tokens=new.num_scheduled_tokens,
                 trace_context=dict(new.trace_context),
                 pooling=PoolingState.from_proto(new.pooling) if new.HasField("pooling") else None,
+                lora=(new.lora.name, new.lora.path) if new.HasField("lora") else None,
             )
             if new.sampling.HasField("prompt_logprobs"):
                 state.prompt_logprobs = new.sampling.prompt_logprobs
@@ -118,6 +122,9 @@ class RequestStates:
             raise InvalidArgument("new_requests.token_ids", f"{rid}: token id past the vocabulary ({self.vocab_size})")
         self._check_blocks(rid, "new_requests.block_ids", new.block_ids)
         self._check_pooling(new)
+        if new.HasField("lora") and not (self.lora and new.lora.name and new.lora.path):
+            why = "needs a name and a path" if self.lora else "this worker serves no LoRA adapters (--enable-lora)"
+            raise InvalidArgument("new_requests.lora", f"{rid}: {why}")
         self._check_span(rid, "new_requests", new.num_computed_tokens, new.num_scheduled_tokens, n, len(new.block_ids))
 
     def _check_running(self, run: worker_pb2.RunningRequest, dropped: set[str], seen: set[str], num_steps: int) -> None:
