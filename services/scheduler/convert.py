@@ -43,6 +43,7 @@ def plan_to_proto(out: SchedulerOutput) -> worker_pb2.StepPlan:
                 kv_loads=[tier_block_to_proto(load) for load in new.kv_loads],
                 num_prompt_logprobs_done=request.num_prompt_logprobs,
                 pooling=request.pooling,
+                lora=request.lora,
             )
         )
     running = plan.running

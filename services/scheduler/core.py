@@ -69,6 +69,7 @@ class SchedulerCore:
             max_model_len=max_model_len,
             policy=sched.scheduling_policy,
             num_scheduler_steps=sched.num_scheduler_steps,
+            max_loras=info.max_loras,
         )
         tiers = build_tiers(info, config, metrics)
         # KV tiers save whole block tables when a request ends: they keep every block (no freeing by window).
@@ -82,6 +83,7 @@ class SchedulerCore:
             max_waiting_requests=sched.max_waiting_requests,
             window_fits=kv.window_fits(limits.max_num_batched_tokens),
             pooling=info.HasField("pooler"),
+            lora=info.max_loras > 0,
         )
         return cls(Scheduler(limits, kv, info.eos_token_ids, tiers), admission, metrics)
 

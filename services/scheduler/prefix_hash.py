@@ -22,19 +22,23 @@ class BlockHash:
     extra_keys: tuple = ()
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
-    parent_value = parent.value if parent is not None else None
+def hash_block_tokens(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = (), salt: int | None = None
+) -> BlockHash:
+    """``salt``: the first block's parent value (a request-level seed, see ``block_hash.cache_salt``)."""
+    parent_value = parent.value if parent is not None else salt
     tokens = tuple(token_ids)
     return BlockHash(chain_hash(parent_value, tokens, extra_keys), parent_value, tokens, extra_keys)
 
 
 def extend_block_hashes(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, extra_keys: tuple = ()
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, extra_keys: tuple = (), salt: int | None = None
 ) -> list[BlockHash]:
-    """Append the hashes of the full blocks of ``token_ids`` not hashed yet; returns ``hashes``."""
+    """Append the hashes of the full blocks of ``token_ids`` not hashed yet; returns ``hashes``. ``salt`` seeds the
+    chain of the request (its LoRA adapter, see ``block_hash.cache_salt``)."""
     num_full = len(token_ids) // block_size
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full):
-        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
+        parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys, salt)
         hashes.append(parent)
     return hashes

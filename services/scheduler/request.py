@@ -50,6 +50,12 @@ class Request:
     pooling: Any = None
     # Every prompt token must be computed (no prefix-cache hit): mean and cls pooling read all of them.
     skip_prefix_cache: bool = False
+    # Opaque like sampling: the LoraRequest (name, path) handed to the worker; None for the base model.
+    lora: Any = None
+    # The adapter's name ("" for the base model): at most --max-loras distinct ones run at once.
+    lora_name: str = ""
+    # Seeds the request's block hash chain, so adapters never share KV blocks (see block_hash.cache_salt).
+    cache_salt: int | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     # Prompt followed by outputs; the last token has no K/V yet once anything was sampled.

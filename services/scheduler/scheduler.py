@@ -51,6 +51,8 @@ class SchedulerLimits:
     policy: str = "fcfs"
     # Decode steps a plan may stand for: a fixed count, or 0 for auto (see ``plan_steps``).
     num_scheduler_steps: int = 1
+    # Distinct LoRA adapters among the running requests (the worker's device slots); 0: LoRA off.
+    max_loras: int = 0
 
 
 @dataclass(slots=True)
@@ -246,6 +248,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             request = self.waiting.peek()
+            if request.lora_name and not self._adapter_fits(request.lora_name):
+                break  # head-of-line, as for blocks: the adapters running now drain, then it runs (never starved)
             readable = not needs_prompt_logprobs(request)  # a prompt being scored is computed whole
             hit_blocks, num_hit = self.kv.get_computed_blocks(request) if readable else ([], 0)
             loads: list[TierBlock] = []
@@ -273,6 +277,15 @@ class Scheduler:
             out.new_requests.append(NewRequestPlan(request, block_ids, num_hit + num_loaded, num_new, samples, loads))
             out.total_num_scheduled_tokens += num_new
             budget -= num_new
+
+    def running_adapters(self) -> set[str]:
+        """The LoRA adapters of the running requests (those the worker holds in its slots)."""
+        return {r.lora_name for r in self.running if r.lora_name}
+
+    def _adapter_fits(self, lora_name: str) -> bool:
+        """Every running request stays in every step's reach, so the running set holds at most max_loras adapters."""
+        adapters = self.running_adapters()
+        return lora_name in adapters or len(adapters) < self.limits.max_loras
 
     def _pick_victim(self) -> Request:
         if self.limits.policy == "priority":

@@ -47,6 +47,7 @@ class EngineClient(Protocol):
         sampling: common_pb2.SamplingParams,
         trace_context: dict[str, str],
         pooling: common_pb2.PoolingParams | None = None,
+        lora: common_pb2.LoraRequest | None = None,
     ) -> RequestHandle: ...
 
     def abort(self, request_id: str) -> None: ...
@@ -107,6 +108,7 @@ class SchedulerClient:
         sampling: common_pb2.SamplingParams,
         trace_context: dict[str, str],
         pooling: common_pb2.PoolingParams | None = None,
+        lora: common_pb2.LoraRequest | None = None,
     ) -> RequestHandle:
         """Start ``request_id``; ``sampling`` is the scheduler-facing form (``EngineRequest.scheduler_sampling``);
         ``pooling`` makes it a pooling request (its one delta carries the vector)."""
@@ -125,6 +127,7 @@ class SchedulerClient:
             sampling=sampling,
             trace_context=trace_context,
             pooling=pooling,
+            lora=lora,
         )
         if not self._outbox or self._outbox[-1].aborts:
             self._outbox.append(scheduler_pb2.FrontendMessage())

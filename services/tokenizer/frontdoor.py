@@ -72,6 +72,7 @@ class EngineRequest:
     prompt_text: str | None = None  # the prompt as text, when it was given as text
     pooling: common_pb2.PoolingParams | None = None  # a pooling request's params, resolved (no sampling then)
     tool_parser: ToolParser | None = None  # set when the output is to be read for tool calls
+    lora: common_pb2.LoraRequest | None = None  # the LoRA adapter to run with (see lora_registry); None: the base
 
     def scheduler_sampling(self) -> common_pb2.SamplingParams:
         """The sampling params the scheduler gets: max_tokens explicit, stop strings left to the frontend."""
@@ -85,7 +86,14 @@ class EngineRequest:
     def with_sampling(self, request_id: str, sampling: common_pb2.SamplingParams) -> EngineRequest:
         """The same prompt as another choice (its own id and, for a seeded request, its own seed)."""
         return EngineRequest(
-            request_id, self.prompt_ids, sampling, self.max_tokens, self.prompt_text, self.pooling, self.tool_parser
+            request_id,
+            self.prompt_ids,
+            sampling,
+            self.max_tokens,
+            self.prompt_text,
+            self.pooling,
+            self.tool_parser,
+            self.lora,
         )
 
 

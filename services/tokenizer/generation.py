@@ -44,7 +44,7 @@ async def generate(
         context=parent_context,
         attributes={"kvgrid.request_id": request_id, "kvgrid.prompt_tokens": len(prompt_ids)},
     )
-    handle = await engine.submit(request_id, prompt_ids, request.scheduler_sampling(), inject(span))
+    handle = await engine.submit(request_id, prompt_ids, request.scheduler_sampling(), inject(span), lora=request.lora)
 
     def process(delta) -> generate_pb2.GenerateResponse | None:
         out = output.process(delta)

@@ -33,6 +33,7 @@ from services.common.tls import (
     uvicorn_ssl_options,
 )
 from services.common.tracing import setup_tracing, shutdown_tracing
+from services.tokenizer.lora_registry import LoraRegistry
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.openai.app import build_app
@@ -125,6 +126,7 @@ async def start_tokenizer(
         tools=ToolSupport.named(chat.tool_call_parser),
         chat_template=read_chat_template(chat.chat_template) if chat.chat_template else "",
     )
+    state.loras = LoraRegistry(config.lora)
     engine = Router(addrs, state, routing, internal)
     generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state, engine, metrics), server)
     add_reflection(server, [SERVICE_NAME])

@@ -94,7 +94,9 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
     async def _run(self, request, prompt: Prompt, context, tracked: RequestMetrics) -> AsyncIterator:
         """A Generate or Chat request through the front door and the engine (its own id, or a new one)."""
         door = self._state.front_door()
+        lora = self._state.loras.resolve(request.lora_name)  # NOT_FOUND for an unknown adapter, before any work
         prepared = await door.prepare_async(prompt, request.sampling, request.request_id or uuid.uuid4().hex)
+        prepared.lora = lora
         stream = generate(
             self._engine,
             door.tokenizer,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.lora.adapter import LoraError
+from services.common.lora_adapters import LoraError
 from services.worker.lora.manager import build_lora_manager
 from services.worker.setup.build import create_runner, load_model
 from tests.lora.adapters import peft_model, save_adapter

@@ -9,15 +9,14 @@ padding adds exact zeros, so adapters of any rank up to ``R`` share one shape.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 
 import torch
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+from services.common.lora_adapters import SUPPORTED_TARGETS, WEIGHTS_FILE, LoraError, check_rank, read_config
+
 # Our fused projection -> (its module in the checkpoint, the checkpoint's slices in row order).
 PROJECTIONS = {
     "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
@@ -25,11 +24,6 @@ PROJECTIONS = {
     "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
     "down_proj": ("mlp", ("down_proj",)),
 }
-SUPPORTED_TARGETS = {s for _, slices in PROJECTIONS.values() for s in slices}
-
-
-class LoraError(ValueError):
-    """An adapter this worker cannot serve: the message says why."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,35 +54,6 @@ def model_projections(hidden: int, intermediate: int, q: int, kv: int) -> dict[s
         "gate_up_proj": ProjectionShape(hidden, (intermediate, intermediate)),
         "down_proj": ProjectionShape(intermediate, (hidden,)),
     }
-
-
-def read_config(path: str) -> dict:
-    """The adapter's config, checked for what this worker supports; raises LoraError. Needs no torch."""
-    config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(config_path):
-        raise LoraError(f"no {CONFIG_FILE} in {path!r}")
-    if not os.path.isfile(os.path.join(path, WEIGHTS_FILE)):
-        raise LoraError(f"no {WEIGHTS_FILE} in {path!r}")
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
-    if str(config.get("peft_type", "LORA")).upper() != "LORA":
-        raise LoraError(f"{path!r} is a {config.get('peft_type')} adapter, not LoRA")
-    if config.get("use_dora"):
-        raise LoraError(f"{path!r} is a DoRA adapter; only plain LoRA is served")
-    if config.get("bias", "none") != "none" or config.get("modules_to_save"):
-        raise LoraError(f"{path!r} trains biases or whole modules; only the LoRA factors are served")
-    targets = config.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else targets
-    unsupported = sorted(set(targets) - SUPPORTED_TARGETS)
-    if unsupported:
-        raise LoraError(f"{path!r} targets {', '.join(unsupported)}; served: {', '.join(sorted(SUPPORTED_TARGETS))}")
-    return config
-
-
-def check_rank(config: dict, max_rank: int, path: str) -> None:
-    ranks = [int(config.get("r", 8)), *(int(r) for r in (config.get("rank_pattern") or {}).values())]
-    if max(ranks) > max_rank:
-        raise LoraError(f"{path!r} has rank {max(ranks)}, over --max-lora-rank {max_rank}")
 
 
 def module_scaling(config: dict, module_key: str, rank: int) -> float:

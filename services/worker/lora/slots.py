@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from services.worker.lora.adapter import LoraAdapter, LoraError, ProjectionShape
+from services.common.lora_adapters import LoraError
+from services.worker.lora.adapter import LoraAdapter, ProjectionShape
 
 AdapterKey = tuple[str, str]  # (name, path)
 Loader = Callable[[str, str], LoraAdapter]  # (name, path) -> the adapter fused on the host
