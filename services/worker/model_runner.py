@@ -74,7 +74,8 @@ class ModelRunner:
     def prepare(self, requests: list[RequestState]) -> StepInputs:
         """Python lists first, one tensor each at the end. Decodes go first: the torch attention
         backend batches the leading run of single-token requests."""
-        batch = sorted(requests, key=lambda r: r.num_scheduled_tokens != 1)
+        # Within each part, requests of one LoRA adapter are adjacent: its rows form one run (see lora/apply.py).
+        batch = sorted(requests, key=lambda r: (r.num_scheduled_tokens != 1, r.lora or ()))
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []

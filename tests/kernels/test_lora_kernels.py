@@ -8,7 +8,7 @@ import torch
 from kernels.lora_expand import lora_expand
 from kernels.lora_reference import lora_expand_reference, lora_shrink_reference
 from kernels.lora_shrink import lora_shrink
-from services.worker.lora.apply import add_lora_groups
+from services.worker.lora.apply import add_lora_segments, runs
 
 from .batches import DEVICE
 
@@ -46,10 +46,15 @@ def test_shrink_then_expand_match_references(dtype, num_tokens, num_slots, rank_
     assert not torch.allclose(expected[-1].float(), base[-1].float())  # the reference really added
 
 
-def test_torch_groups_match_references():
-    """The CPU path (rows gathered per adapter) computes what the per-row references do."""
+def test_torch_segments_match_references():
+    """The CPU path (runs of rows of one adapter) computes what the per-row references do."""
     x, lora_a, lora_b, row_slots, base = random_case(23, 3, 16, 40, 56, torch.float32, seed=5)
+    row_slots[3:9] = 1  # a longer run among the random ones
     expected = lora_expand_reference(lora_shrink_reference(x, lora_a, row_slots), lora_b, row_slots, base.clone())
-    groups = [(s, (row_slots == s).nonzero().flatten()) for s in range(3) if (row_slots == s).any()]
-    out = add_lora_groups(x, base.clone(), lora_a, lora_b, groups)
+    out = add_lora_segments(x, base.clone(), lora_a, lora_b, runs(row_slots.tolist()))
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_runs_of_one_adapter():
+    assert runs([-1, 0, 0, 2, 2, -1, -1, 0, 1]) == [(0, 1, 3), (2, 3, 5), (0, 7, 8), (1, 8, 9)]
+    assert runs([]) == [] and runs([-1, -1]) == []

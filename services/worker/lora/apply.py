@@ -3,7 +3,8 @@
 ``attach_lora`` turns the model's ``Linear`` layers into ``LoraLinear`` ones that share one ``LoraBatch``, the
 step's row-to-slot map, set by the runner before each forward. On CUDA the rows go through the Triton shrink and
 expand kernels (``kernels/lora_shrink.py``, ``kernels/lora_expand.py``), one launch each per projection; on the CPU
-the rows of each adapter are gathered and multiplied as one group (a step has at most ``max_loras`` groups).
+each run of consecutive rows of one adapter is multiplied as one segment, in place: the runner orders a step's
+requests by adapter within its decodes and within its prefills, so an adapter has at most two runs.
 """
 
 from __future__ import annotations
@@ -22,28 +23,15 @@ class LoraBatch:
     def __init__(self) -> None:
         self.active = False
         self.row_slots: torch.Tensor | None = None  # [T] int32, -1 for base-model rows (the Triton path)
-        self.groups: list[tuple[int, torch.Tensor | None]] = []  # (slot, row indices or None for every row)
+        self.segments: list[tuple[int, int, int]] = []  # (slot, first row, end row) of each run of one adapter
         self.use_triton = False
 
     def set(self, row_slots: Sequence[int], device: torch.device) -> None:
         """``row_slots``: each flat-batch row's slot, -1 for the base model."""
-        slots = sorted(set(row_slots) - {-1})
-        self.active = bool(slots)
-        if not self.active:
-            self.row_slots, self.groups = None, []
-            return
-        self.use_triton = device.type == "cuda"
-        self.row_slots = torch.tensor(row_slots, dtype=torch.int32, device=device)
-        if self.use_triton:
-            return
-        if len(slots) == 1 and -1 not in row_slots:
-            self.groups = [(slots[0], None)]
-            return
-        by_slot: dict[int, list[int]] = {s: [] for s in slots}
-        for row, slot in enumerate(row_slots):
-            if slot >= 0:
-                by_slot[slot].append(row)
-        self.groups = [(s, torch.tensor(rows, dtype=torch.int64, device=device)) for s, rows in by_slot.items()]
+        self.segments = runs(row_slots)
+        self.active = bool(self.segments)
+        self.use_triton = self.active and device.type == "cuda"
+        self.row_slots = torch.tensor(row_slots, dtype=torch.int32, device=device) if self.use_triton else None
 
     def clear(self) -> None:
         self.set([], torch.device("cpu"))
@@ -66,23 +54,32 @@ class LoraLinear(Linear):
             from kernels.lora_shrink import lora_shrink
 
             return lora_expand(lora_shrink(x, self.lora_a, batch.row_slots), self.lora_b, batch.row_slots, out)
-        return add_lora_groups(x, out, self.lora_a, self.lora_b, batch.groups)
+        return add_lora_segments(x, out, self.lora_a, self.lora_b, batch.segments)
 
 
-def add_lora_groups(
+def runs(row_slots: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(slot, start, end) of each run of consecutive rows of one adapter; base rows (-1) belong to none."""
+    segments: list[tuple[int, int, int]] = []
+    start = 0
+    for row in range(1, len(row_slots) + 1):
+        if row == len(row_slots) or row_slots[row] != row_slots[start]:
+            if row_slots[start] >= 0:
+                segments.append((row_slots[start], start, row))
+            start = row
+    return segments
+
+
+def add_lora_segments(
     x: torch.Tensor,  # [T, in]
     out: torch.Tensor,  # [T, out], added to in place
     lora_a: torch.Tensor,  # [max_loras, cols, in]
     lora_b: torch.Tensor,  # [max_loras, out, cols]
-    groups: list[tuple[int, torch.Tensor | None]],
+    segments: list[tuple[int, int, int]],
 ) -> torch.Tensor:
-    """The torch path: per adapter, its rows' ``(x A^T) B^T`` added to theirs."""
-    for slot, rows in groups:
-        if rows is None:
-            out += (x @ lora_a[slot].T) @ lora_b[slot].T
-        else:
-            delta = (x.index_select(0, rows) @ lora_a[slot].T) @ lora_b[slot].T
-            out.index_add_(0, rows, delta)
+    """The torch path: each segment's rows gain ``(x A^T) B^T``, accumulated into ``out`` by one addmm."""
+    for slot, start, end in segments:
+        rows = out[start:end]
+        rows.addmm_(x[start:end] @ lora_a[slot].T, lora_b[slot].T)
     return out
 
 
