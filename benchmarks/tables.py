@@ -310,14 +310,7 @@ BENCHES = [
     Bench("routing_bench", "Routing across groups", "round-robin routing", routing),
     Bench("embed_bench", "Embeddings (pooling runner)", "`transformers` batched, sorted by length", embed),
     Bench("tp_bench", "Tensor parallel", "tensor-parallel size 1", tensor_parallel),
-    Bench(
-        "lora_bench",
-        "LoRA adapters",
-        "the same batch on the base model",
-        lora,
-        ("cpu", "gpu"),
-        gpu_flags="--device cuda",
-    ),
+    Bench("lora_bench", "LoRA adapters", "the same batch on the base model", lora, gpu_flags="--device cuda"),
     Bench("attention_bench", "Paged attention kernels", "the torch attention backend", attention, ("gpu",), always),
 ]
 

@@ -19,13 +19,16 @@ def save_adapter(
     alpha: int = 16,
     targets: tuple[str, ...] = ALL_TARGETS,
     rslora: bool = False,
+    std: float = 0.3,
+    base=None,
 ) -> str:
-    """A LoRA adapter over the model at ``base_path``; B is random too (init_lora_weights=False), scaled so that the
-    adapter changes the greedy output without drowning the base model."""
+    """A LoRA adapter over the model at ``base_path`` (or ``base``, that model already loaded); A and B random and
+    non-zero (init_lora_weights=False), of standard deviation ``std``."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    if base is None:
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,
@@ -39,8 +42,9 @@ def save_adapter(
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_" in name:
-                p.copy_(torch.randn_like(p) * 0.3)
+                p.copy_(torch.randn_like(p) * std)
     model.save_pretrained(path)
+    model.unload()  # ``base`` back as it was (a caller may make another adapter over it)
     return path
 
 

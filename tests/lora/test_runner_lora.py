@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.lora_adapters import LoraError
+from services.common.errors import InvalidArgument
 from services.worker.lora.manager import build_lora_manager
 from services.worker.setup.build import create_runner, load_model
 from tests.lora.adapters import peft_model, save_adapter
@@ -77,5 +77,5 @@ def test_rank_over_the_limit_is_refused(tiny):
     runner = lora_runner(base, max_loras=1, max_rank=8)
     r = request("big", [1, 2, 3], [0], 0, 3)
     r.lora = ("c", adapters["c"])
-    with pytest.raises(LoraError, match="over --max-lora-rank 8"):
+    with pytest.raises(InvalidArgument, match="over --max-lora-rank 8"):
         run_logits(runner, [r])

@@ -108,3 +108,10 @@ def test_runtime_load_and_unload(http, stub, tiny_lora):
         generate(stub, prompt_ids(4), "code")
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "code"}).status_code == 404
+
+
+def test_scheduler_metrics_count_requests_per_adapter(stack, http):
+    text = httpx.get(f"http://127.0.0.1:{stack.ports['--scheduler-metrics-port']}/metrics", timeout=10).text
+    info = [line for line in text.splitlines() if line.startswith("kvgrid_lora_requests_info{")]
+    assert len(info) == 1 and 'max_lora="3"' in info[0]
+    assert any(line.startswith("kvgrid_lora_requests{") and 'lora_name="sql"' in line for line in text.splitlines())

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from services.common.errors import InvalidArgument
+from services.common.lora_adapters import LoraError
 from services.worker.lora.adapter import load_adapter, model_projections
 from services.worker.lora.apply import LoraBatch, attach_lora
 from services.worker.lora.slots import AdapterKey, LoraSlots
@@ -32,8 +34,15 @@ class LoraManager:
         return self.slots.max_loras
 
     def prepare(self, adapters: Sequence[AdapterKey | None], query_lens: Sequence[int]) -> None:
-        """The step's row map: request i (its ``query_lens[i]`` rows, in flat-batch order) runs ``adapters[i]``."""
-        slot_of = self.slots.activate(a for a in adapters if a is not None)
+        """The step's row map: request i (its ``query_lens[i]`` rows, in flat-batch order) runs ``adapters[i]``.
+
+        An adapter the worker cannot read (its files changed since the frontend checked them, or it was trained on
+        another base model) fails the step with INVALID_ARGUMENT naming it: the scheduler then fails the step's
+        requests rather than resuming them on the next stream."""
+        try:
+            slot_of = self.slots.activate(a for a in adapters if a is not None)
+        except LoraError as exc:
+            raise InvalidArgument("lora", str(exc)) from None
         rows: list[int] = []
         for adapter, n in zip(adapters, query_lens, strict=True):
             rows += [-1 if adapter is None else slot_of[adapter]] * n
