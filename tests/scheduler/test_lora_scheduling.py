@@ -83,3 +83,14 @@ def test_admission_needs_lora_enabled():
         admit(msg, limits, (), 0)
     request = admit(msg, dataclasses.replace(limits, lora=True), (), 0)
     assert (request.lora_name, request.lora.path, request.cache_salt) == ("a", "/a", cache_salt("a"))
+
+
+def test_tier_keys_differ_per_adapter_and_match_within_one():
+    from services.common import kv_keys
+    from services.scheduler.kv_tiers import KvTiers
+
+    tiers = KvTiers(4, 100, kv_keys.namespace("m", "float32", 4, 100), None, None)
+    keys = {rid: tiers.keys(lora_request(rid, adapter), 2) for rid, adapter in [("a1", "a"), ("a2", "a"), ("b", "b")]}
+    base = tiers.keys(lora_request("base", ""), 2)
+    assert len(keys["a1"]) == 2 and keys["a1"] == keys["a2"]
+    assert not set(keys["a1"]) & set(keys["b"]) and not set(keys["a1"]) & set(base)
