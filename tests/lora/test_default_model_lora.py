@@ -36,7 +36,7 @@ def reference(tmp_path_factory):
 
     base = load()
     adapters = {
-        n: save_adapter("", str(tmp_path_factory.mktemp(f"smol-{n}")), seed=i, rank=8, std=0.05, base=base)
+        n: save_adapter("", str(tmp_path_factory.mktemp(f"smol-{n}")), seed=i, rank=8, std=0.15, base=base)
         for i, n in enumerate(NAMES)
     }
     models = {None: base} | {n: PeftModel.from_pretrained(load(), p).eval() for n, p in adapters.items()}
