@@ -1,7 +1,7 @@
 """LoRA's cost on the worker's step: 16 requests spread over 4 adapters against the same 16 on the base model.
 
     python -m benchmarks.lora_bench [--model PATH] [--dtype float32] [--requests 16] [--adapters 4] [--rank 16]
-        [--context 128] [--steps 32] [--rounds 5] [--threads 0] [--device auto] [--out PATH]
+        [--context 64] [--steps 32] [--rounds 3] [--threads 0] [--device auto] [--out PATH]
 
 One model runner in this process (the embedded SmolLM2-135M by default) with ``--enable-lora``'s slot table of
 ``--adapters`` slots, and that many random rank-``--rank`` adapters on every projection (q, k, v, o, gate, up, down),
@@ -112,9 +112,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default=None)
