@@ -240,6 +240,17 @@ def peers(d: dict) -> tuple[Table, str]:
     return table(head, rows) + notes, f"kvgrid against llama-server: {', '.join(kv)} ({d['model']})"
 
 
+def lora(d: dict) -> tuple[Table, str]:
+    s, r = d["summary"], d["lora_over_base"]
+    head = ["requests", "adapters", "rank", "context", "base prefill ms", "LoRA prefill ms", "prefill ratio"]
+    head += ["base decode step ms", "LoRA decode step ms", "decode ratio"]
+    row = [str(d["requests"]), str(d["adapters"]), str(d["rank"]), str(d["context"])]
+    row += [num(s["base"]["prefill_ms"]), num(s["lora"]["prefill_ms"]), ratio(r["prefill_ms"])]
+    row += [num(s["base"]["decode_step_ms"], 2), num(s["lora"]["decode_step_ms"], 2), ratio(r["decode_step_ms"])]
+    headline = f"{ratio(r['decode_step_ms'])} the base model's decode step with {d['adapters']} adapters in the batch"
+    return table(head, [row]), headline
+
+
 def on_gpu_machine(d: dict) -> bool:
     return bool(d["run"]["machine"].get("gpu"))
 
@@ -299,6 +310,7 @@ BENCHES = [
     Bench("routing_bench", "Routing across groups", "round-robin routing", routing),
     Bench("embed_bench", "Embeddings (pooling runner)", "`transformers` batched, sorted by length", embed),
     Bench("tp_bench", "Tensor parallel", "tensor-parallel size 1", tensor_parallel),
+    Bench("lora_bench", "LoRA adapters", "the same batch on the base model", lora, gpu_flags="--device cuda"),
     Bench("attention_bench", "Paged attention kernels", "the torch attention backend", attention, ("gpu",), always),
 ]
 

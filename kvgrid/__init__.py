@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "kvgrid.offline.llm",
     "SamplingParams": "kvgrid.offline.sampling_params",
+    "LoRARequest": "kvgrid.offline.lora_request",
     "RequestOutput": "kvgrid.offline.outputs",
     "PoolingParams": "kvgrid.offline.pooling",
     "EmbeddingRequestOutput": "kvgrid.offline.pooling",
@@ -21,6 +22,7 @@ _LAZY = {
 __all__ = [
     "LLM",
     "EmbeddingRequestOutput",
+    "LoRARequest",
     "PoolingParams",
     "PoolingRequestOutput",
     "RequestOutput",

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgrid.offline.engine import EngineStats, OfflineEngine
+from kvgrid.offline.lora_request import LoRARequest
 from kvgrid.offline.options import offline_config
 from kvgrid.offline.outputs import OutputCollector, RequestOutput, request_output
 from kvgrid.offline.pooling import (
@@ -115,6 +116,7 @@ class LLM:
         pooler = info.pooler if info.HasField("pooler") else None
         # The caller is the server's owner: a template of its own is trusted as --chat-template would be.
         self.front_door = FrontDoor(self.tokenizer, limits, pooler, images=images, trust_request_chat_template=True)
+        self.max_lora_rank = config.lora.max_lora_rank if config.lora is not None else 0
         self._next_id = 0
 
     @property
@@ -130,14 +132,19 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One result per prompt, in order. A prompt is text or a list of token ids; ``sampling_params`` is one
-        for all prompts or one per prompt. Every request is checked before any runs: ValueError names the first
-        bad one."""
+        for all prompts or one per prompt, and so is ``lora_request`` (the adapter to run with; an LLM built with
+        ``enable_lora=True``). Every request is checked before any runs: ValueError names the first bad one."""
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        prepared = [_indexed(i, self.prepare, p, s) for i, (p, s) in enumerate(zip(prompts, params, strict=True))]
+        loras = _per_prompt_lora(lora_request, len(prompts))
+        prepared = [
+            _indexed(i, self.prepare, p, s, lora)
+            for i, (p, s, lora) in enumerate(zip(prompts, params, loras, strict=True))
+        ]
         return self.run(prepared, use_tqdm)
 
     def chat(
@@ -208,13 +215,13 @@ class LLM:
         vectors = run_pooling(self.engine, admitted, use_tqdm)
         return [(r.request_id, r.prompt_token_ids, v) for r, v in zip(admitted, vectors, strict=True)]
 
-    def prepare(self, prompt: Prompt, params: SamplingParams) -> PreparedRequest:
+    def prepare(self, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None = None) -> PreparedRequest:
         """Check and tokenize one prompt; ValueError with the frontend's message when the request is invalid."""
         if isinstance(prompt, dict):
             given = text_prompt(prompt)
         else:
             given = TextPrompt(prompt) if isinstance(prompt, str) else TokensPrompt(list(prompt))
-        return self._through_front_door(given, params)
+        return self._through_front_door(given, params, lora)
 
     def prepare_chat(
         self,
@@ -229,10 +236,13 @@ class LLM:
         )
         return self._through_front_door(prompt, params)
 
-    def _through_front_door(self, prompt, params: SamplingParams) -> PreparedRequest:
+    def _through_front_door(self, prompt, params: SamplingParams, lora: LoRARequest | None = None) -> PreparedRequest:
         sampling = params.to_proto()
         try:
-            return self.admit(self.front_door.prepare(prompt, sampling, str(self._next_id)))
+            engine_request = self.front_door.prepare(prompt, sampling, str(self._next_id))
+            if lora is not None:
+                engine_request.lora = lora.to_proto(self.max_lora_rank)
+            return self.admit(engine_request)
         except KvgridError as e:
             raise ValueError(str(e)) from None
 
@@ -245,6 +255,7 @@ class LLM:
             sampling=engine_request.scheduler_sampling(),
             pooling=engine_request.pooling,
             mm_inputs=engine_request.mm_inputs,
+            lora=engine_request.lora,
         )
         request = admit(submit, self.engine.admission, live=(), num_waiting=0)
         self._next_id += 1
@@ -311,6 +322,15 @@ def text_prompt(prompt: dict) -> TextPrompt:
         raise ValueError('a prompt dict has the text in "prompt"')
     images = (prompt.get("multi_modal_data") or {}).get("image", [])
     return TextPrompt(text, images=list(images) if isinstance(images, list | tuple) else [images])
+
+
+def _per_prompt_lora(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    lora = list(lora)
+    if len(lora) != n:
+        raise ValueError(f"lora_request: {len(lora)} given for {n} prompts (give one, or one per prompt)")
+    return lora
 
 
 def _indexed(i: int, prepare, item, params, *extra) -> PreparedRequest:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvgrid.v1 import common_pb2 as kvgrid_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvgrid/v1/generate.proto\x12\tkvgrid.v1\x1a\x16kvgrid/v1/common.proto\"|\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\x89\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.kvgrid.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x0e\n\x06images\x18< \x03(\x0c\"E\n\x04Tool\x12\x0c\n\x04type\x18\x01 \x01(\t\x12/\n\x08\x66unction\x18\x02 \x01(\x0b\x32\x1d.kvgrid.v1.FunctionDefinition\"K\n\x12\x46unctionDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"1\n\nToolChoice\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x15\n\rfunction_name\x18\x02 \x01(\t\"O\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12)\n\x08\x66unction\x18\x03 \x01(\x0b\x32\x17.kvgrid.v1.FunctionCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"c\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12)\n\x08\x66unction\x18\x04 \x01(\x0b\x32\x17.kvgrid.v1.FunctionCall\"\xca\x02\n\x0b\x43hatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvgrid.v1.ChatMessage\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x1e\n\x05tools\x18\x04 \x03(\x0b\x32\x0f.kvgrid.v1.Tool\x12*\n\x0btool_choice\x18\x05 \x01(\x0b\x32\x15.kvgrid.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x1a\n\rchat_template\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18\x08 \x01(\tB\x16\n\x14_parallel_tool_callsB\x10\n\x0e_chat_template\"\x8b\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.kvgrid.v1.Usage\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvgrid.v1.TokenLogprob\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.kvgrid.v1.PromptLogprob\x12,\n\ntool_calls\x18\t \x03(\x0b\x32\x18.kvgrid.v1.ToolCallDelta\"e\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.kvgrid.v1.ChatMessage\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"F\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1e\n\x16include_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xcf\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x0e\n\x06runner\x18\t \x01(\t\x12\x17\n\x0fsupported_tasks\x18\n \x03(\t\"\x8a\x01\n\x0c\x45mbedRequest\x12\r\n\x05input\x18\x01 \x03(\t\x12,\n\x0finput_token_ids\x18\x02 \x03(\x0b\x32\x13.kvgrid.v1.TokenIds\x12)\n\x07pooling\x18\x03 \x01(\x0b\x32\x18.kvgrid.v1.PoolingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"h\n\rEmbedResponse\x12\"\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x14.kvgrid.v1.Embedding\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.kvgrid.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"-\n\tEmbedding\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\tembedding\x18\x02 \x03(\x02\x32\xa8\x03\n\x0eTextGeneration\x12\x45\n\x08Generate\x12\x1a.kvgrid.v1.GenerateRequest\x1a\x1b.kvgrid.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.kvgrid.v1.ChatRequest\x1a\x1b.kvgrid.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.kvgrid.v1.TokenizeRequest\x1a\x1b.kvgrid.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.kvgrid.v1.DetokenizeRequest\x1a\x1d.kvgrid.v1.DetokenizeResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvgrid.v1.GetModelInfoRequest\x1a\x14.kvgrid.v1.ModelInfo\x12:\n\x05\x45mbed\x12\x17.kvgrid.v1.EmbedRequest\x1a\x18.kvgrid.v1.EmbedResponseB\x96\x01\n\x0cio.kvgrid.v1B\rGenerateProtoP\x01Z2github.com/kvgrid/kvgrid/gen/go/kvgrid/v1;kvgridv1\xa2\x02\x03KVG\xaa\x02\tKvgrid.V1\xca\x02\tKvgrid\\V1\xe2\x02\x15Kvgrid\\V1\\GPBMetadata\xea\x02\nKvgrid::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvgrid/v1/generate.proto\x12\tkvgrid.v1\x1a\x16kvgrid/v1/common.proto\"\x8f\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x11\n\tlora_name\x18( \x01(\t\"\x89\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.kvgrid.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\x12\x0e\n\x06images\x18< \x03(\x0c\"E\n\x04Tool\x12\x0c\n\x04type\x18\x01 \x01(\t\x12/\n\x08\x66unction\x18\x02 \x01(\x0b\x32\x1d.kvgrid.v1.FunctionDefinition\"K\n\x12\x46unctionDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"1\n\nToolChoice\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x15\n\rfunction_name\x18\x02 \x01(\t\"O\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12)\n\x08\x66unction\x18\x03 \x01(\x0b\x32\x17.kvgrid.v1.FunctionCall\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"c\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12)\n\x08\x66unction\x18\x04 \x01(\x0b\x32\x17.kvgrid.v1.FunctionCall\"\xdd\x02\n\x0b\x43hatRequest\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.kvgrid.v1.ChatMessage\x12+\n\x08sampling\x18\x02 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x1e\n\x05tools\x18\x04 \x03(\x0b\x32\x0f.kvgrid.v1.Tool\x12*\n\x0btool_choice\x18\x05 \x01(\x0b\x32\x15.kvgrid.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x06 \x01(\x08H\x00\x88\x01\x01\x12\x1a\n\rchat_template\x18\x07 \x01(\tH\x01\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18\x08 \x01(\t\x12\x11\n\tlora_name\x18( \x01(\tB\x16\n\x14_parallel_tool_callsB\x10\n\x0e_chat_template\"\x8b\x02\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.kvgrid.v1.Usage\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvgrid.v1.TokenLogprob\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.kvgrid.v1.PromptLogprob\x12,\n\ntool_calls\x18\t \x03(\x0b\x32\x18.kvgrid.v1.ToolCallDelta\"e\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\x12(\n\x08messages\x18\x03 \x03(\x0b\x32\x16.kvgrid.v1.ChatMessage\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"F\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1e\n\x16include_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xcf\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\r\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x0e\n\x06runner\x18\t \x01(\t\x12\x17\n\x0fsupported_tasks\x18\n \x03(\t\"\x8a\x01\n\x0c\x45mbedRequest\x12\r\n\x05input\x18\x01 \x03(\t\x12,\n\x0finput_token_ids\x18\x02 \x03(\x0b\x32\x13.kvgrid.v1.TokenIds\x12)\n\x07pooling\x18\x03 \x01(\x0b\x32\x18.kvgrid.v1.PoolingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"h\n\rEmbedResponse\x12\"\n\x04\x64\x61ta\x18\x01 \x03(\x0b\x32\x14.kvgrid.v1.Embedding\x12\x1f\n\x05usage\x18\x02 \x01(\x0b\x32\x10.kvgrid.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"-\n\tEmbedding\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\tembedding\x18\x02 \x03(\x02\x32\xa8\x03\n\x0eTextGeneration\x12\x45\n\x08Generate\x12\x1a.kvgrid.v1.GenerateRequest\x1a\x1b.kvgrid.v1.GenerateResponse0\x01\x12=\n\x04\x43hat\x12\x16.kvgrid.v1.ChatRequest\x1a\x1b.kvgrid.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.kvgrid.v1.TokenizeRequest\x1a\x1b.kvgrid.v1.TokenizeResponse\x12I\n\nDetokenize\x12\x1c.kvgrid.v1.DetokenizeRequest\x1a\x1d.kvgrid.v1.DetokenizeResponse\x12\x44\n\x0cGetModelInfo\x12\x1e.kvgrid.v1.GetModelInfoRequest\x1a\x14.kvgrid.v1.ModelInfo\x12:\n\x05\x45mbed\x12\x17.kvgrid.v1.EmbedRequest\x1a\x18.kvgrid.v1.EmbedResponseB\x96\x01\n\x0cio.kvgrid.v1B\rGenerateProtoP\x01Z2github.com/kvgrid/kvgrid/gen/go/kvgrid/v1;kvgridv1\xa2\x02\x03KVG\xaa\x02\tKvgrid.V1\xca\x02\tKvgrid\\V1\xe2\x02\x15Kvgrid\\V1\\GPBMetadata\xea\x02\nKvgrid::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,46 +33,46 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvgrid.v1.generate_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\014io.kvgrid.v1B\rGenerateProtoP\001Z2github.com/kvgrid/kvgrid/gen/go/kvgrid/v1;kvgridv1\242\002\003KVG\252\002\tKvgrid.V1\312\002\tKvgrid\\V1\342\002\025Kvgrid\\V1\\GPBMetadata\352\002\nKvgrid::V1'
-  _globals['_GENERATEREQUEST']._serialized_start=63
-  _globals['_GENERATEREQUEST']._serialized_end=187
-  _globals['_CHATMESSAGE']._serialized_start=190
-  _globals['_CHATMESSAGE']._serialized_end=327
-  _globals['_TOOL']._serialized_start=329
-  _globals['_TOOL']._serialized_end=398
-  _globals['_FUNCTIONDEFINITION']._serialized_start=400
-  _globals['_FUNCTIONDEFINITION']._serialized_end=475
-  _globals['_TOOLCHOICE']._serialized_start=477
-  _globals['_TOOLCHOICE']._serialized_end=526
-  _globals['_TOOLCALL']._serialized_start=528
-  _globals['_TOOLCALL']._serialized_end=607
-  _globals['_FUNCTIONCALL']._serialized_start=609
-  _globals['_FUNCTIONCALL']._serialized_end=656
-  _globals['_TOOLCALLDELTA']._serialized_start=658
-  _globals['_TOOLCALLDELTA']._serialized_end=757
-  _globals['_CHATREQUEST']._serialized_start=760
-  _globals['_CHATREQUEST']._serialized_end=1090
-  _globals['_GENERATERESPONSE']._serialized_start=1093
-  _globals['_GENERATERESPONSE']._serialized_end=1360
-  _globals['_TOKENIZEREQUEST']._serialized_start=1362
-  _globals['_TOKENIZEREQUEST']._serialized_end=1463
-  _globals['_TOKENIZERESPONSE']._serialized_start=1465
-  _globals['_TOKENIZERESPONSE']._serialized_end=1518
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1520
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1590
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1592
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1626
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1628
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1649
-  _globals['_MODELINFO']._serialized_start=1652
-  _globals['_MODELINFO']._serialized_end=1859
-  _globals['_EMBEDREQUEST']._serialized_start=1862
-  _globals['_EMBEDREQUEST']._serialized_end=2000
-  _globals['_TOKENIDS']._serialized_start=2002
-  _globals['_TOKENIDS']._serialized_end=2031
-  _globals['_EMBEDRESPONSE']._serialized_start=2033
-  _globals['_EMBEDRESPONSE']._serialized_end=2137
-  _globals['_EMBEDDING']._serialized_start=2139
-  _globals['_EMBEDDING']._serialized_end=2184
-  _globals['_TEXTGENERATION']._serialized_start=2187
-  _globals['_TEXTGENERATION']._serialized_end=2611
+  _globals['_GENERATEREQUEST']._serialized_start=64
+  _globals['_GENERATEREQUEST']._serialized_end=207
+  _globals['_CHATMESSAGE']._serialized_start=210
+  _globals['_CHATMESSAGE']._serialized_end=347
+  _globals['_TOOL']._serialized_start=349
+  _globals['_TOOL']._serialized_end=418
+  _globals['_FUNCTIONDEFINITION']._serialized_start=420
+  _globals['_FUNCTIONDEFINITION']._serialized_end=495
+  _globals['_TOOLCHOICE']._serialized_start=497
+  _globals['_TOOLCHOICE']._serialized_end=546
+  _globals['_TOOLCALL']._serialized_start=548
+  _globals['_TOOLCALL']._serialized_end=627
+  _globals['_FUNCTIONCALL']._serialized_start=629
+  _globals['_FUNCTIONCALL']._serialized_end=676
+  _globals['_TOOLCALLDELTA']._serialized_start=678
+  _globals['_TOOLCALLDELTA']._serialized_end=777
+  _globals['_CHATREQUEST']._serialized_start=780
+  _globals['_CHATREQUEST']._serialized_end=1129
+  _globals['_GENERATERESPONSE']._serialized_start=1132
+  _globals['_GENERATERESPONSE']._serialized_end=1399
+  _globals['_TOKENIZEREQUEST']._serialized_start=1401
+  _globals['_TOKENIZEREQUEST']._serialized_end=1502
+  _globals['_TOKENIZERESPONSE']._serialized_start=1504
+  _globals['_TOKENIZERESPONSE']._serialized_end=1557
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1559
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1629
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1631
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1665
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1667
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1688
+  _globals['_MODELINFO']._serialized_start=1691
+  _globals['_MODELINFO']._serialized_end=1898
+  _globals['_EMBEDREQUEST']._serialized_start=1901
+  _globals['_EMBEDREQUEST']._serialized_end=2039
+  _globals['_TOKENIDS']._serialized_start=2041
+  _globals['_TOKENIDS']._serialized_end=2070
+  _globals['_EMBEDRESPONSE']._serialized_start=2072
+  _globals['_EMBEDRESPONSE']._serialized_end=2176
+  _globals['_EMBEDDING']._serialized_start=2178
+  _globals['_EMBEDDING']._serialized_end=2223
+  _globals['_TEXTGENERATION']._serialized_start=2226
+  _globals['_TEXTGENERATION']._serialized_end=2650
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "trace_context", "pooling", "mm_inputs")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "trace_context", "pooling", "mm_inputs", "lora")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class SubmitRequest(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     MM_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -31,7 +32,8 @@ class SubmitRequest(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     pooling: _common_pb2.PoolingParams
     mm_inputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.MultiModalInput]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., pooling: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., mm_inputs: _Optional[_Iterable[_Union[_common_pb2.MultiModalInput, _Mapping]]] = ...) -> None: ...
+    lora: _common_pb2.LoraRequest
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., pooling: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., mm_inputs: _Optional[_Iterable[_Union[_common_pb2.MultiModalInput, _Mapping]]] = ..., lora: _Optional[_Union[_common_pb2.LoraRequest, _Mapping]] = ...) -> None: ...
 
 class FrontendMessage(_message.Message):
     __slots__ = ("submits", "aborts")
@@ -52,14 +54,16 @@ class SchedulerMessage(_message.Message):
     def __init__(self, deltas: _Optional[_Iterable[_Union[RequestDelta, _Mapping]]] = ..., load: _Optional[_Union[GroupLoad, _Mapping]] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ...) -> None: ...
 
 class GroupLoad(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_cache_usage")
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "lora_adapters")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_cache_usage: float
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., lora_adapters: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KvEvents(_message.Message):
     __slots__ = ("cleared", "block_size", "stored", "removed")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvgrid.v1 import common_pb2 as kvgrid_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvgrid/v1/worker.proto\x12\tkvgrid.v1\x1a\x16kvgrid/v1/common.proto\"(\n\x10HandshakeRequest\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\"\xbb\x01\n\rMemoryProfile\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x15\n\rweights_bytes\x18\x03 \x01(\x04\x12\x1d\n\x15peak_activation_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fnon_torch_bytes\x18\x05 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x06 \x01(\x04\x12\x1e\n\x16gpu_memory_utilization\x18\x07 \x01(\x02\"\x83\x05\n\x11HandshakeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x07 \x01(\x04\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12(\n\x06memory\x18\x0b \x01(\x0b\x32\x18.kvgrid.v1.MemoryProfile\x12I\n\x0ftokenizer_files\x18\x0c \x03(\x0b\x32\x30.kvgrid.v1.HandshakeResponse.TokenizerFilesEntry\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0e \x01(\r\x12\x11\n\tworker_id\x18\x0f \x01(\t\x12\x14\n\x0cload_seconds\x18\x10 \x01(\x02\x12\x17\n\x0fnum_host_blocks\x18\x11 \x01(\r\x12\x10\n\x08kv_tiers\x18\x12 \x03(\t\x12\x16\n\x0esliding_window\x18\x1e \x01(\r\x12\'\n\x06pooler\x18\x13 \x01(\x0b\x32\x17.kvgrid.v1.PoolerConfig\x12\x19\n\x11multimodal_config\x18< \x01(\t\x12\x15\n\rmicro_batches\x18K \x01(\r\x1a\x35\n\x13TokenizerFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"L\n\x0cPoolerConfig\x12\x14\n\x0cpooling_type\x18\x01 \x01(\t\x12\x11\n\tnormalize\x18\x02 \x01(\x08\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\"Q\n\x0bKvTierBlock\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\x13\n\thost_slot\x18\x02 \x01(\rH\x00\x12\x13\n\tredis_key\x18\x03 \x01(\tH\x00\x42\x06\n\x04tier\"\xe4\x03\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\x12>\n\rtrace_context\x18\x08 \x03(\x0b\x32\'.kvgrid.v1.NewRequest.TraceContextEntry\x12(\n\x08kv_loads\x18\t \x03(\x0b\x32\x16.kvgrid.v1.KvTierBlock\x12 \n\x18num_prompt_logprobs_done\x18\n \x01(\r\x12)\n\x07pooling\x18\x0b \x01(\x0b\x32\x18.kvgrid.v1.PoolingParams\x12-\n\tmm_inputs\x18< \x03(\x0b\x32\x1a.kvgrid.v1.MultiModalInput\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"w\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\x12\x1c\n\x14num_lookahead_tokens\x18\x32 \x01(\r\"\xc7\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x15.kvgrid.v1.NewRequest\x12*\n\x07running\x18\x03 \x03(\x0b\x32\x19.kvgrid.v1.RunningRequest\x12\x14\n\x0c\x66inished_ids\x18\x04 \x03(\t\x12(\n\x08kv_saves\x18\x05 \x03(\x0b\x32\x16.kvgrid.v1.KvTierBlock\x12\x11\n\tnum_steps\x18\x06 \x01(\r\"^\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12(\n\x07logprob\x18\x03 \x01(\x0b\x32\x17.kvgrid.v1.TokenLogprob\"\xe0\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x07sampled\x18\x02 \x03(\x0b\x32\x17.kvgrid.v1.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x02\x12!\n\x19num_kv_load_failed_tokens\x18\x04 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x19.kvgrid.v1.PromptLogprobs\x12\'\n\x06pooled\x18\x06 \x03(\x0b\x32\x17.kvgrid.v1.PooledOutput\"_\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kvgrid.v1.PromptLogprob\"0\n\x0cPooledOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x03(\x02\x32\x8b\x01\n\x06Worker\x12\x46\n\tHandshake\x12\x1b.kvgrid.v1.HandshakeRequest\x1a\x1c.kvgrid.v1.HandshakeResponse\x12\x39\n\x07\x45xecute\x12\x13.kvgrid.v1.StepPlan\x1a\x15.kvgrid.v1.StepResult(\x01\x30\x01\x42\x94\x01\n\x0cio.kvgrid.v1B\x0bWorkerProtoP\x01Z2github.com/kvgrid/kvgrid/gen/go/kvgrid/v1;kvgridv1\xa2\x02\x03KVG\xaa\x02\tKvgrid.V1\xca\x02\tKvgrid\\V1\xe2\x02\x15Kvgrid\\V1\\GPBMetadata\xea\x02\nKvgrid::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvgrid/v1/worker.proto\x12\tkvgrid.v1\x1a\x16kvgrid/v1/common.proto\"(\n\x10HandshakeRequest\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\"\xbb\x01\n\rMemoryProfile\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x15\n\rweights_bytes\x18\x03 \x01(\x04\x12\x1d\n\x15peak_activation_bytes\x18\x04 \x01(\x04\x12\x17\n\x0fnon_torch_bytes\x18\x05 \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x06 \x01(\x04\x12\x1e\n\x16gpu_memory_utilization\x18\x07 \x01(\x02\"\x96\x05\n\x11HandshakeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x17\n\x0f\x62ytes_per_block\x18\x07 \x01(\x04\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12(\n\x06memory\x18\x0b \x01(\x0b\x32\x18.kvgrid.v1.MemoryProfile\x12I\n\x0ftokenizer_files\x18\x0c \x03(\x0b\x32\x30.kvgrid.v1.HandshakeResponse.TokenizerFilesEntry\x12\x1e\n\x16max_num_batched_tokens\x18\r \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\x0e \x01(\r\x12\x11\n\tworker_id\x18\x0f \x01(\t\x12\x14\n\x0cload_seconds\x18\x10 \x01(\x02\x12\x17\n\x0fnum_host_blocks\x18\x11 \x01(\r\x12\x10\n\x08kv_tiers\x18\x12 \x03(\t\x12\x16\n\x0esliding_window\x18\x1e \x01(\r\x12\'\n\x06pooler\x18\x13 \x01(\x0b\x32\x17.kvgrid.v1.PoolerConfig\x12\x19\n\x11multimodal_config\x18< \x01(\t\x12\x15\n\rmicro_batches\x18K \x01(\r\x12\x11\n\tmax_loras\x18( \x01(\r\x1a\x35\n\x13TokenizerFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"L\n\x0cPoolerConfig\x12\x14\n\x0cpooling_type\x18\x01 \x01(\t\x12\x11\n\tnormalize\x18\x02 \x01(\x08\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\"Q\n\x0bKvTierBlock\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\x13\n\thost_slot\x18\x02 \x01(\rH\x00\x12\x13\n\tredis_key\x18\x03 \x01(\tH\x00\x42\x06\n\x04tier\"\x8a\x04\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\x12>\n\rtrace_context\x18\x08 \x03(\x0b\x32\'.kvgrid.v1.NewRequest.TraceContextEntry\x12(\n\x08kv_loads\x18\t \x03(\x0b\x32\x16.kvgrid.v1.KvTierBlock\x12 \n\x18num_prompt_logprobs_done\x18\n \x01(\r\x12)\n\x07pooling\x18\x0b \x01(\x0b\x32\x18.kvgrid.v1.PoolingParams\x12-\n\tmm_inputs\x18< \x03(\x0b\x32\x1a.kvgrid.v1.MultiModalInput\x12$\n\x04lora\x18( \x01(\x0b\x32\x16.kvgrid.v1.LoraRequest\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"w\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\x12\x1c\n\x14num_lookahead_tokens\x18\x32 \x01(\r\"\xc7\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x15.kvgrid.v1.NewRequest\x12*\n\x07running\x18\x03 \x03(\x0b\x32\x19.kvgrid.v1.RunningRequest\x12\x14\n\x0c\x66inished_ids\x18\x04 \x03(\t\x12(\n\x08kv_saves\x18\x05 \x03(\x0b\x32\x16.kvgrid.v1.KvTierBlock\x12\x11\n\tnum_steps\x18\x06 \x01(\r\"^\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12(\n\x07logprob\x18\x03 \x01(\x0b\x32\x17.kvgrid.v1.TokenLogprob\"\xe0\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x07sampled\x18\x02 \x03(\x0b\x32\x17.kvgrid.v1.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x02\x12!\n\x19num_kv_load_failed_tokens\x18\x04 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x19.kvgrid.v1.PromptLogprobs\x12\'\n\x06pooled\x18\x06 \x03(\x0b\x32\x17.kvgrid.v1.PooledOutput\"_\n\x0ePromptLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.kvgrid.v1.PromptLogprob\"0\n\x0cPooledOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x03(\x02\x32\x8b\x01\n\x06Worker\x12\x46\n\tHandshake\x12\x1b.kvgrid.v1.HandshakeRequest\x1a\x1c.kvgrid.v1.HandshakeResponse\x12\x39\n\x07\x45xecute\x12\x13.kvgrid.v1.StepPlan\x1a\x15.kvgrid.v1.StepResult(\x01\x30\x01\x42\x94\x01\n\x0cio.kvgrid.v1B\x0bWorkerProtoP\x01Z2github.com/kvgrid/kvgrid/gen/go/kvgrid/v1;kvgridv1\xa2\x02\x03KVG\xaa\x02\tKvgrid.V1\xca\x02\tKvgrid\\V1\xe2\x02\x15Kvgrid\\V1\\GPBMetadata\xea\x02\nKvgrid::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,29 +42,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MEMORYPROFILE']._serialized_start=104
   _globals['_MEMORYPROFILE']._serialized_end=291
   _globals['_HANDSHAKERESPONSE']._serialized_start=294
-  _globals['_HANDSHAKERESPONSE']._serialized_end=937
-  _globals['_HANDSHAKERESPONSE_TOKENIZERFILESENTRY']._serialized_start=884
-  _globals['_HANDSHAKERESPONSE_TOKENIZERFILESENTRY']._serialized_end=937
-  _globals['_POOLERCONFIG']._serialized_start=939
-  _globals['_POOLERCONFIG']._serialized_end=1015
-  _globals['_KVTIERBLOCK']._serialized_start=1017
-  _globals['_KVTIERBLOCK']._serialized_end=1098
-  _globals['_NEWREQUEST']._serialized_start=1101
-  _globals['_NEWREQUEST']._serialized_end=1585
-  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_start=1534
-  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_end=1585
-  _globals['_RUNNINGREQUEST']._serialized_start=1587
-  _globals['_RUNNINGREQUEST']._serialized_end=1706
-  _globals['_STEPPLAN']._serialized_start=1709
-  _globals['_STEPPLAN']._serialized_end=1908
-  _globals['_SAMPLEDTOKEN']._serialized_start=1910
-  _globals['_SAMPLEDTOKEN']._serialized_end=2004
-  _globals['_STEPRESULT']._serialized_start=2007
-  _globals['_STEPRESULT']._serialized_end=2231
-  _globals['_PROMPTLOGPROBS']._serialized_start=2233
-  _globals['_PROMPTLOGPROBS']._serialized_end=2328
-  _globals['_POOLEDOUTPUT']._serialized_start=2330
-  _globals['_POOLEDOUTPUT']._serialized_end=2378
-  _globals['_WORKER']._serialized_start=2381
-  _globals['_WORKER']._serialized_end=2520
+  _globals['_HANDSHAKERESPONSE']._serialized_end=956
+  _globals['_HANDSHAKERESPONSE_TOKENIZERFILESENTRY']._serialized_start=903
+  _globals['_HANDSHAKERESPONSE_TOKENIZERFILESENTRY']._serialized_end=956
+  _globals['_POOLERCONFIG']._serialized_start=958
+  _globals['_POOLERCONFIG']._serialized_end=1034
+  _globals['_KVTIERBLOCK']._serialized_start=1036
+  _globals['_KVTIERBLOCK']._serialized_end=1117
+  _globals['_NEWREQUEST']._serialized_start=1120
+  _globals['_NEWREQUEST']._serialized_end=1642
+  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_start=1591
+  _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_end=1642
+  _globals['_RUNNINGREQUEST']._serialized_start=1644
+  _globals['_RUNNINGREQUEST']._serialized_end=1763
+  _globals['_STEPPLAN']._serialized_start=1766
+  _globals['_STEPPLAN']._serialized_end=1965
+  _globals['_SAMPLEDTOKEN']._serialized_start=1967
+  _globals['_SAMPLEDTOKEN']._serialized_end=2061
+  _globals['_STEPRESULT']._serialized_start=2064
+  _globals['_STEPRESULT']._serialized_end=2288
+  _globals['_PROMPTLOGPROBS']._serialized_start=2290
+  _globals['_PROMPTLOGPROBS']._serialized_end=2385
+  _globals['_POOLEDOUTPUT']._serialized_start=2387
+  _globals['_POOLEDOUTPUT']._serialized_end=2435
+  _globals['_WORKER']._serialized_start=2438
+  _globals['_WORKER']._serialized_end=2577
 # @@protoc_insertion_point(module_scope)

@@ -8,6 +8,7 @@ way to tell how much of it each scheduler has cached.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 # The parent value of a prompt's first block. Not None: before Python 3.12 hash(None) is its address, which
@@ -28,10 +29,19 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...], extra_keys: tuple
     return hash((ROOT if parent is None else parent, token_ids, extra_keys))
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The hashes of the full blocks of ``token_ids``, first block first."""
+def cache_salt(lora_name: str) -> int | None:
+    """A request-level seed of the chain (the first block's parent): requests of different LoRA adapters never share
+    a block, those of one adapter do. None for the base model. A digest, not ``hash()``: str hashes are salted per
+    process, and frontends must compute the schedulers' values."""
+    if not lora_name:
+        return None
+    return int.from_bytes(hashlib.blake2b(b"lora:" + lora_name.encode(), digest_size=8).digest(), "little")
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, salt: int | None = None) -> list[int]:
+    """The hashes of the full blocks of ``token_ids``, first block first; ``salt``: see ``cache_salt``."""
     hashes: list[int] = []
-    parent = None
+    parent = salt
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = chain_hash(parent, tuple(token_ids[start : start + block_size]))
         hashes.append(parent)

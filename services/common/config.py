@@ -29,6 +29,7 @@ from services.common.config_sections import (  # noqa: F401 - the sections are p
     LifecycleConfig,
     LimitsConfig,
     LoadConfig,
+    LoraConfig,
     ModelConfig,
     NetworkConfig,
     ObservabilityConfig,
@@ -84,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser, sections=ALL_SECTIONS) -> Non
                     flag,
                     dest=f.name,
                     default=None,
+                    nargs="+" if f.metadata.get("many") else None,
                     metavar=f.name.upper(),
                     choices=f.metadata.get("choices"),
                     help=text,
@@ -104,6 +106,8 @@ def build_section(section, args: argparse.Namespace | None = None, environ=None)
         if isinstance(raw, bool):
             values[f.name] = raw
             continue
+        if isinstance(raw, list):  # a flag of several values (see _opt's many)
+            raw = " ".join(raw)
         choices = f.metadata.get("choices")
         if choices and raw not in choices:
             errors.append(f"{source} must be one of {', '.join(choices)}, got {raw!r}")
@@ -140,6 +144,7 @@ class Config:
     http: HttpConfig | None = None
     responses: ResponsesConfig | None = None
     chat: ChatConfig | None = None
+    lora: LoraConfig | None = None
 
 
 def _attr(section) -> str:

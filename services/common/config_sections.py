@@ -27,8 +27,9 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, parse=None):
-    return field(default=default, metadata={"help": help, "choices": choices, "parse": parse})
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, parse=None, many: bool = False):
+    """``many``: the flag takes several values (``--lora-modules a=/x b=/y``), joined by spaces into the string."""
+    return field(default=default, metadata={"help": help, "choices": choices, "parse": parse, "many": many})
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -516,6 +517,57 @@ class ChatConfig:
         return []
 
 
+def parse_lora_modules(text: str) -> dict[str, str]:
+    """'a=/path/a b=/path/b' (spaces or commas between) -> {name: path}; raises ValueError."""
+    modules: dict[str, str] = {}
+    for item in text.replace(",", " ").split():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes name=path items, got {item!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    return modules
+
+
+@dataclass(slots=True)
+class LoraConfig:
+    """LoRA adapters over the base model (vLLM's flag names); see docs/lora.md."""
+
+    enable_lora: bool = _opt(False, "serve LoRA adapters: requests name one by the OpenAI model field or lora_name")
+    lora_modules: str = _opt(
+        "",
+        "adapters served from the start, name=path items (PEFT directories), e.g. sql=/ad/sql chat=/ad/chat",
+        many=True,
+    )
+    max_loras: int = _opt(1, "adapters on the device at once (the distinct adapters of one step), LRU beyond")
+    max_lora_rank: int = _opt(16, "the largest adapter rank served")
+    max_cpu_loras: int = _opt(0, "adapters kept in host memory, LRU beyond (0: as --max-loras)")
+    allow_runtime_lora: bool = _opt(
+        False, "accept POST /v1/load_lora_adapter and /v1/unload_lora_adapter (an API key if keys are set)"
+    )
+
+    def validate(self) -> list[str]:
+        errors = []
+        if self.max_loras < 1:
+            errors.append(f"--max-loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            errors.append(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras < 0:
+            errors.append(f"--max-cpu-loras must be >= 0, got {self.max_cpu_loras}")
+        try:
+            modules = parse_lora_modules(self.lora_modules)
+        except ValueError as exc:
+            return [*errors, str(exc)]
+        if (modules or self.allow_runtime_lora) and not self.enable_lora:
+            errors.append("--lora-modules and --allow-runtime-lora need --enable-lora")
+        return errors
+
+    @property
+    def modules(self) -> dict[str, str]:
+        return parse_lora_modules(self.lora_modules)
+
+
 ALL_SECTIONS = (
     ModelConfig,
     LoadConfig,
@@ -532,6 +584,7 @@ ALL_SECTIONS = (
     HttpConfig,
     ResponsesConfig,
     ChatConfig,
+    LoraConfig,
 )
 # The sections each service takes its flags from (``kvgrid serve`` takes them all).
 WORKER_SECTIONS = (
@@ -545,6 +598,7 @@ WORKER_SECTIONS = (
     ObservabilityConfig,
     NetworkConfig,
     SecurityConfig,
+    LoraConfig,
 )
 # `kvgrid worker-rank`: the rendezvous and the node; everything else comes from rank 0's plan.
 WORKER_RANK_SECTIONS = (ParallelConfig, ObservabilityConfig)
@@ -569,4 +623,5 @@ TOKENIZER_SECTIONS = (
     HttpConfig,
     ResponsesConfig,
     ChatConfig,
+    LoraConfig,
 )

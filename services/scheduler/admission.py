@@ -11,6 +11,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 
 from kvgrid.v1 import scheduler_pb2
+from services.common.block_hash import cache_salt
 from services.common.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from services.common.pooling import check_resolved, check_runner
 from services.common.request_checks import check_sampling_fields
@@ -29,6 +30,7 @@ class AdmissionLimits:
     window_fits: bool = False  # blocks behind a sliding window are freed: a prompt longer than the pool fits
     pooling: bool = False  # the worker is a pooling runner: pooling requests only (and only they)
     takes_images: bool = False  # the worker serves a vision-language model
+    lora: bool = False  # the worker serves LoRA adapters (--enable-lora)
 
     @property
     def pool_tokens(self) -> int:
@@ -45,6 +47,10 @@ def admit(msg: scheduler_pb2.SubmitRequest, limits: AdmissionLimits, live: Conta
     if pooling is not None:
         check_resolved(pooling)
     check_sampling_fields(msg.sampling, limits.max_model_len, limits.vocab_size or 2**32)
+    lora = msg.lora if msg.HasField("lora") else None
+    if lora is not None and not (limits.lora and lora.name and lora.path):
+        why = "needs a name and a path" if limits.lora else "this server runs no LoRA adapters (--enable-lora)"
+        raise InvalidArgument("lora", why)
     prompt = list(msg.prompt_token_ids)
     num_prompt = len(prompt)
     if not num_prompt:
@@ -82,6 +88,9 @@ def admit(msg: scheduler_pb2.SubmitRequest, limits: AdmissionLimits, live: Conta
         skip_prefix_cache=pooling is not None and pooling.pooling_type != "last",
         mm_inputs=list(msg.mm_inputs),
         mm_spans=spans,
+        lora=lora,
+        lora_name=lora.name if lora is not None else "",
+        cache_salt=cache_salt(lora.name) if lora is not None else None,
     )
 
 

@@ -44,6 +44,7 @@ def plan_to_proto(out: SchedulerOutput) -> worker_pb2.StepPlan:
                 num_prompt_logprobs_done=request.num_prompt_logprobs,
                 pooling=request.pooling,
                 mm_inputs=request.mm_inputs,
+                lora=request.lora,
             )
         )
     running = plan.running

@@ -70,6 +70,7 @@ class SchedulerCore:
             max_model_len=max_model_len,
             policy=sched.scheduling_policy,
             num_scheduler_steps=sched.num_scheduler_steps,
+            max_loras=info.max_loras,
         )
         tiers = build_tiers(info, config, metrics)
         # KV tiers save whole block tables when a request ends: they keep every block (no freeing by window).
@@ -84,6 +85,7 @@ class SchedulerCore:
             window_fits=kv.window_fits(limits.max_num_batched_tokens),
             pooling=info.HasField("pooler"),
             takes_images=bool(info.multimodal_config),
+            lora=info.max_loras > 0,
         )
         spec = sched.speculative
         lookahead = Lookahead(spec.num_speculative_tokens, spec.disable_by_batch_size) if spec else None

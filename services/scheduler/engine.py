@@ -173,7 +173,12 @@ class Engine:
         if self._core is None:
             return scheduler_pb2.GroupLoad(num_waiting=len(self._parked))
         s = self._core.scheduler
-        return scheduler_pb2.GroupLoad(num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv.usage)
+        return scheduler_pb2.GroupLoad(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv.usage,
+            lora_adapters=sorted(s.running_adapters()),
+        )
 
     def _publish(self) -> None:
         """Tell every frontend stream what changed for routing (load, prefix-cache contents) since last time."""

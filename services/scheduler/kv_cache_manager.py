@@ -74,7 +74,13 @@ class KVCacheManager:
         """
         if not self.enable_caching or request.skip_prefix_cache:
             return [], 0
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, mm_spans=request.mm_spans)
+        extend_block_hashes(
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            mm_spans=request.mm_spans,
+            salt=request.cache_salt,
+        )
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         for block_hash in request.block_hashes[:max_blocks]:
@@ -155,7 +161,13 @@ class KVCacheManager:
         if not table:
             return
         num_full = min(num_full, len(table))
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, mm_spans=request.mm_spans)
+        extend_block_hashes(
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            mm_spans=request.mm_spans,
+            salt=request.cache_salt,
+        )
         for i in range(start, num_full):
             if table[i] is not SLID_OUT:  # freed before its tokens were known: nothing to register
                 self.pool.cache_block(table[i], request.block_hashes[i])

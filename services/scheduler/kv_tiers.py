@@ -282,8 +282,10 @@ class KvTiers:
                 self.redis.forget(load.redis_key)
 
     def keys(self, request: Request, num_blocks: int) -> list[str]:
+        # The adapter is part of what shapes a block's bytes: its own namespace (as its own prefix-hash seed).
+        namespace = f"{self.namespace}|lora={request.lora_name}" if request.lora_name else self.namespace
         return kv_keys.extend_keys(
-            request.tier_keys, self.namespace, request.all_token_ids, self.block_size, num_blocks, request.mm_spans
+            request.tier_keys, namespace, request.all_token_ids, self.block_size, num_blocks, request.mm_spans
         )
 
     def stats(self) -> list[scheduler_pb2.KvTierStats]:

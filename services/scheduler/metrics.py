@@ -48,6 +48,15 @@ class SchedulerMetrics(ServiceMetrics):
             )
         }
 
+        # LoRA adapters: vLLM's info gauge (labels name the adapters, the value is when it was set), and counts.
+        self.lora_requests_info = self._gauge(
+            "kvgrid_lora_requests_info",
+            "Running and waiting LoRA adapters (comma-separated names); the value is the time it was set",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        self.lora_requests = self._gauge("kvgrid_lora_requests", "Requests per LoRA adapter", ["lora_name", "state"])
+        self._lora_labels: set[tuple[str, str]] = set()
+
     def kv_tier(self, name: str) -> Counter:
         return self._kv_tier[name]
 
@@ -73,3 +82,26 @@ class SchedulerMetrics(ServiceMetrics):
         self.num_running.set(core.num_running)
         self.num_waiting.set(core.num_waiting)
         self.kv_cache_usage.set(core.kv.usage)
+        if core.limits.max_loras:
+            self.record_lora(core)
+
+    def record_lora(self, core: Scheduler) -> None:
+        counts: dict[tuple[str, str], int] = {}
+        for state, requests in (("running", core.running), ("waiting", core.waiting)):
+            for r in requests:
+                if r.lora_name:
+                    counts[(r.lora_name, state)] = counts.get((r.lora_name, state), 0) + 1
+        for name, state in self._lora_labels - counts.keys():
+            self.lora_requests.labels(model=self.model, lora_name=name, state=state).set(0)
+        for (name, state), n in counts.items():
+            self.lora_requests.labels(model=self.model, lora_name=name, state=state).set(n)
+        self._lora_labels |= counts.keys()
+        running = ",".join(sorted({n for n, s in counts if s == "running"}))
+        waiting = ",".join(sorted({n for n, s in counts if s == "waiting"}))
+        self.lora_requests_info.clear()
+        self.lora_requests_info.labels(
+            model=self.model,
+            max_lora=str(core.limits.max_loras),
+            running_lora_adapters=running,
+            waiting_lora_adapters=waiting,
+        ).set(time.time())

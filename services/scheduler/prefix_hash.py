@@ -22,8 +22,11 @@ class BlockHash:
     extra_keys: tuple = ()
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> BlockHash:
-    parent_value = parent.value if parent is not None else None
+def hash_block_tokens(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple = (), salt: int | None = None
+) -> BlockHash:
+    """``salt``: the first block's parent value (a request-level seed, see ``block_hash.cache_salt``)."""
+    parent_value = parent.value if parent is not None else salt
     tokens = tuple(token_ids)
     return BlockHash(chain_hash(parent_value, tokens, extra_keys), parent_value, tokens, extra_keys)
 
@@ -34,14 +37,16 @@ def extend_block_hashes(
     block_size: int,
     extra_keys: tuple = (),
     mm_spans: Sequence[tuple[int, int, str]] = (),
+    salt: int | None = None,
 ) -> list[BlockHash]:
     """Append the hashes of the full blocks of ``token_ids`` not hashed yet; returns ``hashes``. ``extra_keys``
-    go into every block's hash; ``mm_spans`` (offset, length, image hash) into the blocks each image overlaps."""
+    go into every block's hash; ``mm_spans`` (offset, length, image hash) into the blocks each image overlaps;
+    ``salt`` seeds the chain of the request (its LoRA adapter, see ``block_hash.cache_salt``)."""
     num_full = len(token_ids) // block_size
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), num_full):
         start, end = i * block_size, (i + 1) * block_size
         keys = extra_keys + mm_block_keys(mm_spans, start, end) if mm_spans else extra_keys
-        parent = hash_block_tokens(parent, token_ids[start:end], keys)
+        parent = hash_block_tokens(parent, token_ids[start:end], keys, salt)
         hashes.append(parent)
     return hashes

@@ -54,6 +54,12 @@ class Request:
     # placeholder runs as (offset, length, content hash), which key the prefix cache and the encoder budget.
     mm_inputs: list[Any] = field(default_factory=list)
     mm_spans: list[tuple[int, int, str]] = field(default_factory=list)
+    # Opaque like sampling: the LoraRequest (name, path) handed to the worker; None for the base model.
+    lora: Any = None
+    # The adapter's name ("" for the base model): at most --max-loras distinct ones run at once.
+    lora_name: str = ""
+    # Seeds the request's block hash chain, so adapters never share KV blocks (see block_hash.cache_salt).
+    cache_salt: int | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     # Prompt followed by outputs; the last token has no K/V yet once anything was sampled.

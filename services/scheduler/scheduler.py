@@ -54,6 +54,8 @@ class SchedulerLimits:
     policy: str = "fcfs"
     # Decode steps a plan may stand for: a fixed count, or 0 for auto (see ``plan_steps``).
     num_scheduler_steps: int = 1
+    # Distinct LoRA adapters among the running requests (the worker's device slots); 0: LoRA off.
+    max_loras: int = 0
 
 
 @dataclass(slots=True)
@@ -275,6 +277,8 @@ class Scheduler:
             request = self.waiting.peek()
             if self._held(request):
                 break  # preempted while a plan in flight still computes it: admitted once that plan is back
+            if request.lora_name and not self._adapter_fits(request.lora_name):
+                break  # head-of-line, as for blocks: the adapters running now drain, then it runs (never starved)
             readable = not needs_prompt_logprobs(request)  # a prompt being scored is computed whole
             hit_blocks, num_hit = self.kv.get_computed_blocks(request) if readable else ([], 0)
             loads: list[TierBlock] = []
@@ -309,6 +313,15 @@ class Scheduler:
 
     def _held(self, request: Request) -> bool:
         return self.micro_batches is not None and self.micro_batches.waits(request)
+
+    def running_adapters(self) -> set[str]:
+        """The LoRA adapters of the running requests (those the worker holds in its slots)."""
+        return {r.lora_name for r in self.running if r.lora_name}
+
+    def _adapter_fits(self, lora_name: str) -> bool:
+        """Every running request stays in every step's reach, so the running set holds at most max_loras adapters."""
+        adapters = self.running_adapters()
+        return lora_name in adapters or len(adapters) < self.limits.max_loras
 
     def _pick_victim(self) -> Request:
         if self.limits.policy == "priority":

@@ -48,6 +48,7 @@ class EngineClient(Protocol):
         trace_context: dict[str, str],
         pooling: common_pb2.PoolingParams | None = None,
         mm_inputs: list[common_pb2.MultiModalInput] = (),
+        lora: common_pb2.LoraRequest | None = None,
     ) -> RequestHandle: ...
 
     def abort(self, request_id: str) -> None: ...
@@ -109,6 +110,7 @@ class SchedulerClient:
         trace_context: dict[str, str],
         pooling: common_pb2.PoolingParams | None = None,
         mm_inputs: list[common_pb2.MultiModalInput] = (),
+        lora: common_pb2.LoraRequest | None = None,
     ) -> RequestHandle:
         """Start ``request_id``; ``sampling`` is the scheduler-facing form (``EngineRequest.scheduler_sampling``);
         ``pooling`` makes it a pooling request (its one delta carries the vector)."""
@@ -128,6 +130,7 @@ class SchedulerClient:
             trace_context=trace_context,
             pooling=pooling,
             mm_inputs=mm_inputs,
+            lora=lora,
         )
         if not self._outbox or self._outbox[-1].aborts:
             self._outbox.append(scheduler_pb2.FrontendMessage())

@@ -83,6 +83,7 @@ class EngineRequest:
     pooling: common_pb2.PoolingParams | None = None  # a pooling request's params, resolved (no sampling then)
     tool_parser: ToolParser | None = None  # set when the output is to be read for tool calls
     mm_inputs: list = field(default_factory=list)  # the prompt's images (common_pb2.MultiModalInput), in order
+    lora: common_pb2.LoraRequest | None = None  # the LoRA adapter to run with (see lora_registry); None: the base
 
     def scheduler_sampling(self) -> common_pb2.SamplingParams:
         """The sampling params the scheduler gets: max_tokens explicit, stop strings left to the frontend."""
@@ -104,6 +105,7 @@ class EngineRequest:
             self.pooling,
             self.tool_parser,
             self.mm_inputs,
+            self.lora,
         )
 
 

@@ -44,11 +44,12 @@ async def generate(
         context=parent_context,
         attributes={"kvgrid.request_id": request_id, "kvgrid.prompt_tokens": len(prompt_ids)},
     )
-    sampling = request.scheduler_sampling()
+    extras: dict = {}  # only what the request has: engines without images or adapters take the plain call
     if request.mm_inputs:
-        handle = await engine.submit(request_id, prompt_ids, sampling, inject(span), mm_inputs=request.mm_inputs)
-    else:
-        handle = await engine.submit(request_id, prompt_ids, sampling, inject(span))
+        extras["mm_inputs"] = request.mm_inputs
+    if request.lora is not None:
+        extras["lora"] = request.lora
+    handle = await engine.submit(request_id, prompt_ids, request.scheduler_sampling(), inject(span), **extras)
 
     def process(delta) -> generate_pb2.GenerateResponse | None:
         out = output.process(delta)

@@ -25,6 +25,7 @@ class GroupView:
         self.kv_cache_usage = 0.0
         self.block_size = 0
         self.cached: set[int] = set()
+        self.lora_adapters: frozenset[str] = frozenset()  # the adapters of the group's running requests
         self._routed: dict[int, float] = {}  # hash -> until when it counts as held (monotonic seconds)
 
     @property
@@ -36,6 +37,7 @@ class GroupView:
             load = message.load
             self.num_running, self.num_waiting = load.num_running, load.num_waiting
             self.kv_cache_usage = load.kv_cache_usage
+            self.lora_adapters = frozenset(load.lora_adapters)
         if message.HasField("kv_events"):
             events = message.kv_events
             if events.cleared:

@@ -17,6 +17,7 @@ from services.common.errors import Unavailable
 from services.common.pooling import TASKS, runner_of
 from services.tokenizer.frontdoor import FrontDoor
 from services.tokenizer.grammar_check import GrammarChecker
+from services.tokenizer.lora_registry import LoraRegistry
 from services.tokenizer.multimodal.images import ImageInputs, ImageSpec
 from services.tokenizer.multimodal.media import MediaPolicy
 from services.tokenizer.openai.tools.support import ToolSupport
@@ -60,6 +61,7 @@ class ModelState:
         self._override = tokenizer is not None  # --tokenizer given: the worker's files are not used
         self._files: dict[str, bytes] = {}
         self._served_model_name = served_model_name
+        self.loras = LoraRegistry()  # the LoRA adapters requests may name (--enable-lora); the server sets its own
         self._on_change = on_change
         # Generation streams in flight (gRPC and HTTP alike), so that a drain knows when they are done.
         self._num_streams = 0

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvgrid.v1 import common_pb2, worker_pb2
-from services.common.block_hash import chain_hash, prompt_block_hashes
+from services.common.block_hash import cache_salt, chain_hash, prompt_block_hashes
 from services.common.config import RoutingConfig
 from services.common.errors import AlreadyExists, Unavailable
 from services.common.tls import TlsFiles
@@ -137,24 +137,29 @@ class Router:
         trace_context: dict[str, str],
         pooling: common_pb2.PoolingParams | None = None,
         mm_inputs: list[common_pb2.MultiModalInput] = (),
+        lora: common_pb2.LoraRequest | None = None,
     ) -> RequestHandle:
         if any(group.client.has(request_id) for group in self._all()):
             raise AlreadyExists(f"request_id: a live request already has id {request_id!r}")
-        group = self.pick(prompt_ids)
-        return await group.client.submit(request_id, prompt_ids, sampling, trace_context, pooling, mm_inputs)
+        group = self.pick(prompt_ids, lora.name if lora is not None else "")
+        return await group.client.submit(request_id, prompt_ids, sampling, trace_context, pooling, mm_inputs, lora)
 
     def abort(self, request_id: str) -> None:
         for group in self._all():
             if group.client.has(request_id):
                 group.client.abort(request_id)
 
-    def pick(self, prompt_ids: list[int]) -> Group:
-        """The group for a prompt; a group that is down is passed over (all of them, when none is up)."""
+    def pick(self, prompt_ids: list[int], lora_name: str = "") -> Group:
+        """The group for a prompt (of a LoRA adapter, ``lora_name``); a group that is down is passed over (all of
+        them, when none is up). Among the groups, those already running the adapter are preferred."""
         groups = [group for group in self.groups.values() if group.available] or list(self.groups.values())
         if not groups:
             raise Unavailable("no scheduler to send the request to (--scheduler-addrs resolved to nothing)")
+        if lora_name:  # the adapter's blocks and slot are there: no load from disk, no cold prefix cache
+            groups = [g for g in groups if lora_name in g.client.view.lora_adapters] or groups
         if len(groups) == 1:
             return groups[0]
+        salt = cache_salt(lora_name)
         if self.config.routing_policy == "round-robin":
             self._turn += 1
             return sorted(groups, key=lambda g: g.addr)[self._turn % len(groups)]
@@ -164,7 +169,7 @@ class Router:
             size = group.block_size
             hashes = hashes_by_size.get(size)
             if hashes is None:
-                hashes = hashes_by_size[size] = prompt_block_hashes(prompt_ids, size)
+                hashes = hashes_by_size[size] = prompt_block_hashes(prompt_ids, size, salt)
             view = group.client.view
             load = max(view.reported_load, group.client.num_in_flight)
             candidates.append(Candidate(group.addr, load, view.kv_cache_usage, view.matched_blocks(hashes)))

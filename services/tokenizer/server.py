@@ -33,6 +33,7 @@ from services.common.tls import (
     uvicorn_ssl_options,
 )
 from services.common.tracing import setup_tracing, shutdown_tracing
+from services.tokenizer.lora_registry import LoraRegistry
 from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.model_state import ModelState
 from services.tokenizer.multimodal.media import MediaPolicy
@@ -128,6 +129,7 @@ async def start_tokenizer(
         media=MediaPolicy.from_limits(limits),
         trust_request_chat_template=chat.trust_request_chat_template,
     )
+    state.loras = LoraRegistry(config.lora)
     engine = Router(addrs, state, routing, internal)
     generate_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(state, engine, metrics), server)
     add_reflection(server, [SERVICE_NAME])

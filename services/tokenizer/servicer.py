@@ -92,7 +92,9 @@ class TextGenerationServicer(generate_pb2_grpc.TextGenerationServicer):
         """A Generate or Chat request through the front door and the engine (its own id, or a new one); a chat
         whose tools are active has its output read for calls."""
         door = self._state.front_door()
+        lora = self._state.loras.resolve(request.lora_name)  # NOT_FOUND for an unknown adapter, before any work
         prepared = await door.prepare_async(prompt, request.sampling, request.request_id or uuid.uuid4().hex)
+        prepared.lora = lora
         calls = ToolCallDeltas(prepared.tool_parser) if prepared.tool_parser is not None else None
         stream = generate(
             self._engine,

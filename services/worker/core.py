@@ -14,6 +14,7 @@ from services.common.default_model import resolve_model
 from services.common.errors import InvalidArgument
 from services.worker.kv_transfer import HostTier, KvTransfer, RedisTier
 from services.worker.kv_transfer.blocks import block_shape
+from services.worker.lora.manager import LoraManager, build_lora_manager
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner, SampledRow
 from services.worker.multimodal.config import multimodal_config
@@ -84,6 +85,7 @@ class WorkerCore:
             make_sampling,
             pooling=self.handshake.HasField("pooler"),
             takes_images=self.runner.encoder_cache is not None,
+            lora=self.handshake.max_loras > 0,
         )
 
 
@@ -103,8 +105,10 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         tokenizer = load_tokenizer(loaded.source)
         max_len = max_model_len(loaded.args, loaded.hf_config, config.model.max_model_len)
         kv_cache_memory = ranks.plan.kv_cache_memory if ranks is not None else config.cache.kv_cache_memory
+        lora = build_lora(config, loaded, size)
         figures = plan_rank(config, loaded, max_len, kv_cache_memory, group)
         runner = create_runner(loaded, config.cache.block_size, figures.num_blocks, config.model.seed)
+        runner.lora = lora
     except BaseException:
         if ranks is not None:
             ranks.kill()
@@ -116,7 +120,9 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         ranks.drive(runner)
         log.info("decode steps run eagerly: no CUDA graphs with %s", describe(config))
     elif loaded.device.type == "cuda" and loaded.attention_backend == "triton":
-        if config.device.enforce_eager:
+        if lora is not None:
+            log.info("decode steps run eagerly: no CUDA graphs with --enable-lora")
+        elif config.device.enforce_eager:
             log.info("decode steps run eagerly (--enforce-eager): no CUDA graphs")
         else:
             runner.use_decode_graphs(config.scheduler.max_num_seqs, max_len)
@@ -146,6 +152,7 @@ def build_core(config: Config, metrics: WorkerMetrics | None = None, worker_id: 
         load_seconds=loaded.load_seconds,
         sliding_window=loaded.args.freeing_window,
         multimodal_config=multimodal_config(loaded.args, loaded.source.path, tokenizer),
+        max_loras=0 if lora is None else lora.max_loras,
     )
     if config.model.runner == "pooling":
         handshake.pooler.CopyFrom(
@@ -252,6 +259,28 @@ def load_draft(config: Config, path: str, target: LoadedModel, runner: ModelRunn
         draft.block_bytes(runner.block_size) * runner.num_blocks / 2**20,
     )
     return DraftModelProposer(draft_runner)
+
+
+def build_lora(config: Config, loaded: LoadedModel, tp_size: int) -> LoraManager | None:
+    """--enable-lora: the slot table on the model, whose steps then run on the torch path (see lora/manager.py)."""
+    lora = config.lora
+    if lora is None or not lora.enable_lora:
+        return None
+    if tp_size > 1:
+        raise ModelLoadError("--enable-lora serves adapters on one device: use --tensor-parallel-size 1")
+    if config.model.runner == "pooling":
+        raise ModelLoadError("--enable-lora applies to generation: not with --runner pooling")
+    model = loaded.model
+    projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    layer = model.layers[0]
+    if not all(hasattr(layer.self_attn if p in projections[:2] else layer.mlp, p) for p in projections):
+        raise ModelLoadError(f"--enable-lora serves the Llama family's projections, not {loaded.args.architecture}'s")
+    if model.native_path is not None:
+        if config.device.cpu_kernels == "native":
+            raise ModelLoadError("--cpu-kernels native has no LoRA products: use --cpu-kernels auto or torch")
+        model.set_native_path(None)
+        log.info("steps run in torch: the native CPU kernels apply no LoRA adapters (--enable-lora)")
+    return build_lora_manager(model, lora.max_loras, lora.max_cpu_loras or lora.max_loras, lora.max_lora_rank)
 
 
 def grammar_cache(handshake: worker_pb2.HandshakeResponse) -> GrammarCache:

@@ -10,6 +10,7 @@ import torch
 from kvgrid.v1 import common_pb2
 from services.worker.attention.base import AttentionMetadata
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from services.worker.lora.manager import LoraManager
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.multimodal.encoder_cache import EncoderCache
 from services.worker.multimodal.inputs import ImageSlice, step_slices
@@ -63,11 +64,12 @@ class ModelRunner:
         self.step_listener: Callable[[StepInputs], None] | None = None
         # A vision-language model's encoder outputs (see use_encoder_cache); None for a text model.
         self.encoder_cache: EncoderCache | None = None
+        self.spec: SpecDecoder | None = None  # speculative decoding (--speculative-config)
+        self.lora: LoraManager | None = None  # --enable-lora: maps each step's rows to their adapters
 
     def use_encoder_cache(self, max_bytes: int) -> None:
         """Steps whose tokens include image placeholders take the model's encoder outputs there."""
         self.encoder_cache = EncoderCache(self.model.encode_images, self.device, max_bytes)
-        self.spec: SpecDecoder | None = None  # speculative decoding (--speculative-config)
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
         """Decode steps of up to ``max_num_seqs`` requests through ``DecodeGraphs``; ``capture`` on CUDA
@@ -85,7 +87,8 @@ class ModelRunner:
     def prepare(self, requests: list[RequestState]) -> StepInputs:
         """Python lists first, one tensor each at the end. Decodes go first: the torch attention
         backend batches the leading run of single-token requests."""
-        batch = sorted(requests, key=lambda r: r.num_scheduled_tokens != 1)
+        # Within each part, requests of one LoRA adapter are adjacent: its rows form one run (see lora/apply.py).
+        batch = sorted(requests, key=lambda r: (r.num_scheduled_tokens != 1, r.lora or ()))
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -123,6 +126,8 @@ class ModelRunner:
                 sampling_requests.append(r)
         width = max(len(t) for t in tables)
         query_lens = [r.num_scheduled_tokens for r in batch]
+        if self.lora is not None:
+            self.lora.prepare([r.lora for r in batch], query_lens)
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),

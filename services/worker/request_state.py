@@ -40,6 +40,7 @@ class RequestState:
     spec_backoff: Any = None
     # Method draft_model: leading tokens whose K/V the draft model's cache holds (-1: not seen by it yet).
     draft_num_computed: int = -1
+    lora: tuple[str, str] | None = None  # (name, path) of its LoRA adapter; None: the base model
 
     @property
     def samples_this_step(self) -> bool:
@@ -59,6 +60,7 @@ class RequestStates:
         make_sampling: SamplingFactory,
         pooling: bool = False,
         takes_images: bool = False,
+        lora: bool = False,
     ):
         """``pooling``: the worker runs the model as a pooling model (--runner pooling) and takes pooling requests
         only; otherwise generation requests only."""
@@ -69,6 +71,7 @@ class RequestStates:
         self.make_sampling = make_sampling
         self.pooling = pooling
         self.takes_images = takes_images  # a vision-language model: requests may carry images
+        self.lora = lora  # the worker serves LoRA adapters (--enable-lora)
         self.requests: dict[str, RequestState] = {}
 
     def apply(self, plan: worker_pb2.StepPlan) -> list[RequestState]:
@@ -104,6 +107,7 @@ class RequestStates:
                 trace_context=dict(new.trace_context),
                 pooling=PoolingState.from_proto(new.pooling) if new.HasField("pooling") else None,
                 mm_inputs=[ImageInput.from_proto(new.request_id, m, new.num_prompt_tokens) for m in new.mm_inputs],
+                lora=(new.lora.name, new.lora.path) if new.HasField("lora") else None,
             )
             if new.sampling.HasField("prompt_logprobs"):
                 state.prompt_logprobs = new.sampling.prompt_logprobs
@@ -136,6 +140,9 @@ class RequestStates:
             raise InvalidArgument("new_requests.mm_inputs", f"{rid}: the model takes text only, no images")
         for m in new.mm_inputs:
             ImageInput.from_proto(rid, m, new.num_prompt_tokens)
+        if new.HasField("lora") and not (self.lora and new.lora.name and new.lora.path):
+            why = "needs a name and a path" if self.lora else "this worker serves no LoRA adapters (--enable-lora)"
+            raise InvalidArgument("new_requests.lora", f"{rid}: {why}")
         self._check_span(rid, "new_requests", new.num_computed_tokens, new.num_scheduled_tokens, n, len(new.block_ids))
 
     def _check_running(self, run: worker_pb2.RunningRequest, dropped: set[str], seen: set[str], num_steps: int) -> None:

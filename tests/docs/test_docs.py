@@ -188,6 +188,18 @@ SHAPES = {
             "min_cosine": 0.99999,
         },
     },
+    "lora_bench": {
+        "model": "SmolLM2-135M-Instruct.gguf",
+        "requests": 16,
+        "adapters": 4,
+        "rank": 16,
+        "context": 128,
+        "summary": {
+            "base": {"prefill_ms": 900.0, "decode_step_ms": 40.0},
+            "lora": {"prefill_ms": 1000.0, "decode_step_ms": 46.0},
+        },
+        "lora_over_base": {"prefill_ms": 1.11, "decode_step_ms": 1.15},
+    },
     "tp_bench_cpu": {
         "tok_s": {"tp1": {1: 20.0, 16: 100.0}, "tp2": {1: 18.0, 16: 80.0}, "tp1-native": {1: 40.0, 16: 150.0}}
     },

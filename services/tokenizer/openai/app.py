@@ -19,6 +19,7 @@ from services.tokenizer.frontdoor import ChatPrompt, TextPrompt, tokenize_async
 from services.tokenizer.openai import errors
 from services.tokenizer.openai.embeddings import EmbeddingRequest, EmbeddingResponse
 from services.tokenizer.openai.guards import HttpGuards, LimitBody, RequireApiKey
+from services.tokenizer.openai.lora_routes import add_lora_routes
 from services.tokenizer.openai.prepare import chat_messages
 from services.tokenizer.openai.protocol import (
     ChatCompletionRequest,
@@ -95,7 +96,14 @@ def build_app(
             runner=info.runner,
             supported_tasks=list(info.supported_tasks),
         )
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        adapters = [
+            card.model_copy(update={"id": name, "root": serving.state.loras.path(name), "parent": info.model})
+            for name in serving.state.loras.names()
+        ]
+        return JSONResponse(ModelList(data=[card, *adapters]).model_dump())
+
+    if serving.state.loras.allow_runtime:
+        add_lora_routes(app, serving)
 
     @app.post("/v1/completions", responses=STREAMED)
     async def completions(body: CompletionRequest, raw: Request):

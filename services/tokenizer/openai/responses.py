@@ -132,6 +132,8 @@ class ModelCard(BaseModel):
     # "generate" or "pooling" (--runner), and the tasks that makes it serve (vLLM's names).
     runner: str = "generate"
     supported_tasks: list[str] = ["generate"]
+    # A LoRA adapter's card names its base model (vLLM's field); None for the base model itself.
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvgrid.v1.common_pb2 import LoraRequest
 from services.common.errors import KvgridError
 from services.common.tracing import extract
 from services.tokenizer.engine_client import EngineClient
@@ -37,15 +38,25 @@ class OpenAIServing:
     def served_model(self, asked: str | None = None) -> str:
         return check_model(asked, self.state.model_info().model)
 
+    def generation_model(self, asked: str | None) -> tuple[str, LoraRequest | None]:
+        """The name a generation answers with and the LoRA adapter it runs (``model`` naming an adapter); 404 for a
+        name that is neither the base model nor an adapter."""
+        served = self.state.model_info().model
+        if asked and asked != served and self.state.loras.has(asked):
+            return asked, self.state.loras.resolve(asked)
+        return check_model(asked, served), None
+
     async def completions(self, req: CompletionRequest, raw: Request):
         door = self.state.front_door()
-        prepared = await prepare_completion(req, door, self.served_model())
-        return await self._answer(raw, door, prepared)
+        model, lora = self.generation_model(req.model)
+        prepared = await prepare_completion(req, door, model)
+        return await self._answer(raw, door, with_lora(prepared, lora))
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         door = self.state.front_door()
-        prepared = await prepare_chat(req, door, self.served_model())
-        return await self._answer(raw, door, prepared)
+        model, lora = self.generation_model(req.model)
+        prepared = await prepare_chat(req, door, model)
+        return await self._answer(raw, door, with_lora(prepared, lora))
 
     async def embeddings(self, req: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
         door = self.state.front_door()
@@ -71,6 +82,12 @@ class OpenAIServing:
             raise
         stream = _sse(renderer, first, deltas, prepared.include_usage)
         return StreamingResponse(stream, media_type="text/event-stream")
+
+
+def with_lora(prepared: PreparedOpenAI, lora: LoraRequest | None) -> PreparedOpenAI:
+    for choice in prepared.choices:
+        choice.request.lora = lora
+    return prepared
 
 
 async def _collect(renderer: Renderer, deltas) -> None:

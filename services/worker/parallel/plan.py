@@ -120,6 +120,10 @@ def check_stage_options(config: Config) -> None:
             f"--cpu-kernels native runs the whole model per call; with --pipeline-parallel-size {pp}"
             " use --cpu-kernels auto or torch"
         )
+    if config.lora is not None and config.lora.enable_lora:
+        raise ModelLoadError(
+            f"--enable-lora applies adapters on one model; it is not served with --pipeline-parallel-size {pp} yet"
+        )
     if config.scheduler.speculative_config:
         raise ModelLoadError(
             f"--speculative-config verifies proposals on one model; it is not served with --pipeline-parallel-size"
