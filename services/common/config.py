@@ -14,6 +14,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.config_fields import flag_name, parse_bytes  # noqa: F401 - parse_bytes: this module's API
+from services.common.config_requests import (  # noqa: F401 - the sections are part of this module's API
+    ChatConfig,
+    HttpConfig,
+    LimitsConfig,
+    LoraConfig,
+    ResponsesConfig,
+)
 from services.common.config_sections import (  # noqa: F401 - the sections are part of this module's API
     ALL_SECTIONS,
     DEFAULT_MODEL_NAME,
@@ -23,24 +31,17 @@ from services.common.config_sections import (  # noqa: F401 - the sections are p
     WORKER_RANK_SECTIONS,
     WORKER_SECTIONS,
     CacheConfig,
-    ChatConfig,
     DeviceConfig,
-    HttpConfig,
     LifecycleConfig,
-    LimitsConfig,
     LoadConfig,
-    LoraConfig,
     ModelConfig,
     NetworkConfig,
     ObservabilityConfig,
     ParallelConfig,
-    ResponsesConfig,
     RoutingConfig,
     SchedulerConfig,
     SecurityConfig,
-    _flag,
     model_name,
-    parse_bytes,
 )
 
 ENV_PREFIX = "KVGRID_"
@@ -76,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser, sections=ALL_SECTIONS) -> Non
     for section in sections:
         group = parser.add_argument_group(section.__name__.removesuffix("Config").lower())
         for f in dataclasses.fields(section):
-            flag = "--" + _flag(f.name)
+            flag = "--" + flag_name(f.name)
             text = f"{f.metadata['help']} [env {env_name(f.name)}, default {f.default!r}]"
             if f.type in ("bool", bool):
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
@@ -98,7 +99,7 @@ def build_section(section, args: argparse.Namespace | None = None, environ=None)
     values, errors = {}, []
     for f in dataclasses.fields(section):
         raw = getattr(args, f.name, None) if args is not None else None
-        source = "--" + _flag(f.name)
+        source = "--" + flag_name(f.name)
         if raw is None and env_name(f.name) in environ:
             raw, source = environ[env_name(f.name)], env_name(f.name)
         if raw is None:
@@ -106,7 +107,7 @@ def build_section(section, args: argparse.Namespace | None = None, environ=None)
         if isinstance(raw, bool):
             values[f.name] = raw
             continue
-        if isinstance(raw, list):  # a flag of several values (see _opt's many)
+        if isinstance(raw, list):  # a flag of several values (see config_fields.option's many)
             raw = " ".join(raw)
         choices = f.metadata.get("choices")
         if choices and raw not in choices:
@@ -170,7 +171,7 @@ def to_flags(config) -> list[str]:
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if f.type in ("bool", bool):
-            flags.append(("--" if value else "--no-") + _flag(f.name))
+            flags.append(("--" if value else "--no-") + flag_name(f.name))
         else:
-            flags += ["--" + _flag(f.name), str(value)]
+            flags += ["--" + flag_name(f.name), str(value)]
     return flags

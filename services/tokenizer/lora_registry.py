@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from kvgrid.v1 import common_pb2
-from services.common.config_sections import LoraConfig
+from services.common.config_requests import LoraConfig
 from services.common.errors import InvalidArgument, NotFound
 from services.common.lora_adapters import LoraError, check_rank, read_config
 

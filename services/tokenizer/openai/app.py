@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.common.config_sections import ResponsesConfig
+from services.common.config_requests import ResponsesConfig
 from services.common.errors import KvgridError
 from services.tokenizer import validation as v
 from services.tokenizer.frontdoor import ChatPrompt, TextPrompt, tokenize_async

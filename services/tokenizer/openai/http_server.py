@@ -19,7 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from services.common.config_sections import HttpConfig
+from services.common.config_requests import HttpConfig
 
 log = logging.getLogger(__name__)
 

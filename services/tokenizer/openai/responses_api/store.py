@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.common.config_sections import ResponsesConfig
+from services.common.config_requests import ResponsesConfig
 
 
 @dataclass(slots=True)
