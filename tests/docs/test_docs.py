@@ -200,6 +200,29 @@ SHAPES = {
         },
         "lora_over_base": {"prefill_ms": 1.11, "decode_step_ms": 1.15},
     },
+    "spec_bench": {
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 4},
+        "rows": [
+            {
+                "workload": "grounded",
+                "concurrency": 1,
+                "off_tok_s": 37.0,
+                "spec_tok_s": 42.0,
+                "speedup": 1.14,
+                "acceptance_rate": 0.58,
+                "mean_accepted_per_draft": 2.3,
+            },
+        ],
+    },  # fmt: skip
+    "pp_bench_cpu": {
+        "result": {
+            "pp1": {"1": {"tok_s": 18.0, "stage_busy": []}, "16": {"tok_s": 130.0, "stage_busy": []}},
+            "pp2-micro-on": {
+                "1": {"tok_s": 17.0, "stage_busy": [0.4, 0.4]},
+                "16": {"tok_s": 131.0, "stage_busy": [0.6]},
+            },
+        }
+    },
     "tp_bench_cpu": {
         "tok_s": {"tp1": {1: 20.0, 16: 100.0}, "tp2": {1: 18.0, 16: 80.0}, "tp1-native": {1: 40.0, 16: 150.0}}
     },
