@@ -67,13 +67,9 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [block.block_id for block in self._tables.get(request_id, ())]
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of the request's tokens and its length in tokens.
-
-        Never the whole sequence: the last token is always computed, because its logits are needed.
-        """
-        if not self.enable_caching or request.skip_prefix_cache:
-            return [], 0
+    def _hash_blocks(self, request: Request) -> None:
+        """Hash the request's full blocks not hashed yet: its tokens, its images' content in the blocks they cover,
+        and its adapter as the chain's seed."""
         extend_block_hashes(
             request.block_hashes,
             request.all_token_ids,
@@ -81,6 +77,15 @@ class KVCacheManager:
             mm_spans=request.mm_spans,
             salt=request.cache_salt,
         )
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request's tokens and its length in tokens.
+
+        Never the whole sequence: the last token is always computed, because its logits are needed.
+        """
+        if not self.enable_caching or request.skip_prefix_cache:
+            return [], 0
+        self._hash_blocks(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         for block_hash in request.block_hashes[:max_blocks]:
@@ -161,13 +166,7 @@ class KVCacheManager:
         if not table:
             return
         num_full = min(num_full, len(table))
-        extend_block_hashes(
-            request.block_hashes,
-            request.all_token_ids,
-            self.block_size,
-            mm_spans=request.mm_spans,
-            salt=request.cache_salt,
-        )
+        self._hash_blocks(request)
         for i in range(start, num_full):
             if table[i] is not SLID_OUT:  # freed before its tokens were known: nothing to register
                 self.pool.cache_block(table[i], request.block_hashes[i])
