@@ -194,8 +194,9 @@ class Ranks:
         self._lost(rank)
 
     def _control_lost(self, rank: int) -> None:
-        if rank in self.procs:
-            self.procs[rank].join(STOP_TIMEOUT_S / 2)  # its exit code, for the log
+        proc = self.procs.get(rank)
+        if proc is not None and multiprocessing.connection.wait([proc.sentinel], STOP_TIMEOUT_S / 2):
+            return  # a local rank that exited: _watch reports it with its exit code (one thread reaps it)
         self._lost(rank)
 
     def _lost(self, rank: int) -> None:

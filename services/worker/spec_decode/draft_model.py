@@ -35,6 +35,7 @@ class _DraftRow:
     num_drafts: int = 0
     # A text draft reads image placeholders as their tokens: its proposals are only worse, the target checks them.
     mm_inputs: tuple = ()
+    lora: None = None  # the draft runs the base weights: adapters are the target's
 
     @property
     def samples_this_step(self) -> bool:
