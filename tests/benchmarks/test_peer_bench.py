@@ -15,7 +15,8 @@ from benchmarks.results import ROOT
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "KVGRID_LLAMA_CPP"} | {"PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k not in ("KVGRID_LLAMA_CPP", "KVGRID_VLLM_PYTHON")}
+    env |= {"PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-m", "benchmarks.peer_bench", *args]
     return subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
 
