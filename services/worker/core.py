@@ -197,6 +197,7 @@ def build_kv_transfer(
                 f"--kv-host-memory {config.cache.kv_host_memory} holds no KV block ({handshake.bytes_per_block} bytes)"
             )
         host = HostTier(runner.kv_caches, num_slots)
+        host.start_prefault()  # in the background: the handshake does not wait for a big tier's pages
         handshake.num_host_blocks = num_slots
         log.info("host KV tier: %d blocks (%.1f MiB)", num_slots, num_slots * handshake.bytes_per_block / 2**20)
     if "redis" in names:
