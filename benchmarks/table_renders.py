@@ -115,7 +115,7 @@ def kv_tiers(d: dict) -> tuple[Table, str]:
     speedups = s["speedup_vs_recompute"]
     headline = f"TTFT {ratio(speedups.get('host'))} lower (host tier), {ratio(speedups.get('redis'))} (Redis)"
     if vs_device:
-        headline += f"; {against_device('host')} a device hit (host), {against_device('redis')} (Redis)"
+        headline += f"; over a device hit: host {against_device('host')}, Redis {against_device('redis')}"
     return table(head, rows), headline
 
 
