@@ -86,18 +86,36 @@ def offline(d: dict) -> tuple[Table, str]:
 
 def kv_tiers(d: dict) -> tuple[Table, str]:
     s = d["summary"]
+    first = s.get("first_hit_ttft_s", {})
+    vs_device = s.get("vs_device_hit", {})
+
+    def against_device(side: str) -> str:
+        v = vs_device.get(side)
+        return f"{ratio(v['median'])} (first {ratio(v['first_hit'])})" if v else "-"
+
     rows = [
         [
             side,
             num(ttft, 3),
+            num(first[side], 3) if side in first else "-",
+            against_device(side),
             ratio(s["speedup_vs_recompute"][side]),
             f"{100 * s['same_first_tokens_as_recompute'][side]:.0f}%",
         ]
         for side, ttft in s["ttft_median_s"].items()
     ]
-    head = ["side", "TTFT median s", "lower than recompute by", "same first tokens"]
+    head = [
+        "side",
+        "TTFT median s",
+        "first hit s",
+        "TTFT over a device hit",
+        "lower than recompute by",
+        "same first tokens",
+    ]
     speedups = s["speedup_vs_recompute"]
     headline = f"TTFT {ratio(speedups.get('host'))} lower (host tier), {ratio(speedups.get('redis'))} (Redis)"
+    if vs_device:
+        headline += f"; over a device hit: host {against_device('host')}, Redis {against_device('redis')}"
     return table(head, rows), headline
 
 

@@ -14,6 +14,7 @@ from services.common.default_model import resolve_model
 from services.common.errors import InvalidArgument
 from services.worker.kv_transfer import HostTier, KvTransfer, RedisTier
 from services.worker.kv_transfer.blocks import block_shape
+from services.worker.kv_transfer.transfer import Fetches
 from services.worker.lora.manager import LoraManager, build_lora_manager
 from services.worker.metrics import WorkerMetrics
 from services.worker.model_runner import ModelRunner, SampledRow
@@ -58,10 +59,21 @@ class WorkerCore:
         elif plan.kv_saves or any(new.kv_loads for new in plan.new_requests):
             raise InvalidArgument("kv_saves", "this worker serves no KV tiers (--kv-tiers)")
 
-    def execute(self, plan: worker_pb2.StepPlan, scheduled: list[RequestState]) -> tuple[list[SampledRow], int]:
-        """The plan's KV tier moves, then its step (or steps); also returns the tokens planned as loads that were
-        computed."""
-        num_failed = self.kv_transfer.apply(plan, scheduled) if self.kv_transfer is not None else 0
+    @property
+    def fetches_ahead(self) -> bool:
+        """Whether plans have KV tier loads worth starting before their turn (``prefetch``): Redis round trips."""
+        return self.kv_transfer is not None and self.kv_transfer.redis is not None
+
+    def prefetch(self, plan: worker_pb2.StepPlan) -> Fetches | None:
+        """Start fetching the plan's Redis loads (any time before ``execute``: nothing in the cache is touched)."""
+        return self.kv_transfer.prefetch(plan) if self.kv_transfer is not None else None
+
+    def execute(
+        self, plan: worker_pb2.StepPlan, scheduled: list[RequestState], fetches: Fetches | None = None
+    ) -> tuple[list[SampledRow], int]:
+        """The plan's KV tier moves (Redis loads from ``fetches`` where ``prefetch`` started them), then its step (or
+        steps); also returns the tokens planned as loads that were computed."""
+        num_failed = self.kv_transfer.apply(plan, scheduled, fetches) if self.kv_transfer is not None else 0
         if plan.num_steps > 1:
             return self.runner.execute_steps(scheduled, plan.num_steps), num_failed
         return self.runner.execute(scheduled), num_failed
@@ -197,6 +209,7 @@ def build_kv_transfer(
                 f"--kv-host-memory {config.cache.kv_host_memory} holds no KV block ({handshake.bytes_per_block} bytes)"
             )
         host = HostTier(runner.kv_caches, num_slots)
+        host.start_prefault()  # in the background: the handshake does not wait for a big tier's pages
         handshake.num_host_blocks = num_slots
         log.info("host KV tier: %d blocks (%.1f MiB)", num_slots, num_slots * handshake.bytes_per_block / 2**20)
     if "redis" in names:

@@ -33,7 +33,7 @@ class WorkerMetrics(ServiceMetrics):
         )
         self.kv_tier_load_seconds = Histogram(
             "kvgrid_worker_kv_tier_load_seconds",
-            "Time to load one step's blocks from a KV tier",
+            "Time a step spent loading its blocks from a KV tier (Redis: the rest of its fetch, the copies)",
             ["model", "tier"],
             buckets=STEP_BUCKETS,
             registry=self.registry,

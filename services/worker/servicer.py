@@ -130,10 +130,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _one_at_a_time(self, core: WorkerCore, states, spans, plans):
         loop = asyncio.get_running_loop()
-        async for plan in plans:
+        async for plan, fetches in _fetching_ahead(core, plans):
             started = time.perf_counter()
             scheduled = self._accept(core, states, spans, plan)
-            rows, num_failed = await loop.run_in_executor(self.model_thread, core.execute, plan, scheduled)
+            rows, num_failed = await loop.run_in_executor(self.model_thread, core.execute, plan, scheduled, fetches)
             yield self._result(plan, scheduled, rows, num_failed, started)
 
     async def _pipelined(self, core: WorkerCore, states, spans, plans):
@@ -184,6 +184,38 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def shutdown(self) -> None:
         self.model_thread.shutdown(wait=False, cancel_futures=True)
+
+
+async def _fetching_ahead(core: WorkerCore, plans):
+    """``(plan, fetches)`` in plan order, the plan's Redis loads already being fetched (``WorkerCore.prefetch``).
+
+    Plans are read off the stream as they arrive rather than when the previous step is done: with async
+    scheduling the next plan comes while this one runs, so its network round trip overlaps this step."""
+    if not core.fetches_ahead:
+        async for plan in plans:
+            yield plan, None
+        return
+    arrived: asyncio.Queue = asyncio.Queue()  # (plan, fetches), then None at the stream's end or its error
+
+    async def read() -> None:
+        try:
+            async for plan in plans:
+                arrived.put_nowait((plan, core.prefetch(plan)))
+        except BaseException as exc:  # handed to the consumer, which raises it in the stream's task
+            arrived.put_nowait(exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            arrived.put_nowait(None)
+
+    reader = asyncio.create_task(read(), name="worker-plan-reader")
+    try:
+        while (item := await arrived.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        reader.cancel()
 
 
 def _sampled(row: SampledRow) -> worker_pb2.SampledToken:

@@ -24,9 +24,15 @@ pytestmark = pytest.mark.timeout(120)
 PROMPT = [5, 9, 13, 2, 7, 11]
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+@pytest.fixture(scope="module", params=["no tiers", "redis tier"])
+def setup(request, tmp_path_factory):
+    """A worker without KV tiers reads each plan when the step before it is done; one with a Redis tier reads
+    plans as they arrive (to start their fetches): either way they must run in order. These plans load nothing,
+    so no Redis is dialled."""
     config = cfg.build_config(environ={})
+    if request.param == "redis tier":
+        config.cache.kv_tiers = "redis"
+        config.cache.kv_redis_url = "redis://127.0.0.1:9/0"
     model_dir = save_tiny_model(str(tmp_path_factory.mktemp("tiny")))
     save_tiny_tokenizer(model_dir)
     config.model.model = model_dir
@@ -36,7 +42,9 @@ def setup(tmp_path_factory):
     config.model.max_model_len = 64
     config.cache.kv_cache_memory = 64 * 1024
     config.network.host = "127.0.0.1"
-    return config, build_core(config)
+    core = build_core(config)
+    assert core.fetches_ahead == (request.param == "redis tier")
+    return config, core
 
 
 def prefill(step_id: int, request_id: str = "a") -> worker_pb2.StepPlan:

@@ -11,6 +11,9 @@ layer, still one copy per run.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
+import numpy as np
 import torch
 
 KvCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K, V of [num_blocks, block_size, kv_heads, head_dim]
@@ -80,6 +83,24 @@ class CacheBlocks:
         """One block [layers, 2, block_size, kv_heads, head_dim] (any device) into cache block ``block_id``."""
         self.write([block_id], block.unsqueeze(2), [0])
 
+    def write_each(self, block_ids: list[int], blocks: list[torch.Tensor], map_fn: MapFn = map) -> None:
+        """Each of ``blocks`` (CPU tensors [layers, 2, block_size, kv_heads, head_dim], as Redis values hold them)
+        into its cache block. A CPU cache takes them with numpy copies, spread over threads by ``map_fn``: numpy
+        copies on one thread with the GIL released, where a torch copy per block would wake the whole intra-op
+        thread team for each block (and a torch copy on another thread would start a team of its own)."""
+        if self.device.type != "cpu":
+            for block_id, block in zip(block_ids, blocks, strict=True):
+                self.write_block(block_id, block)
+            return
+
+        def write(pair: tuple[int, torch.Tensor]) -> None:
+            block_id, block = pair
+            for src, dst in self._pairs(block.unsqueeze(2), slice(0, 1), slice(block_id, block_id + 1)):
+                np.copyto(_raw(dst), _raw(src))
+
+        for _ in map_fn(write, zip(block_ids, blocks, strict=True)):
+            pass
+
     def _pairs(self, store: torch.Tensor, at: slice, blocks: slice):
         """(store part, cache part) views to copy between: one pair for the whole cache, else two per layer."""
         if self.whole is not None:
@@ -88,3 +109,12 @@ class CacheBlocks:
         for layer, (k, v) in enumerate(self.kv_caches):
             yield store[layer, 0, at], k[blocks]
             yield store[layer, 1, at], v[blocks]
+
+
+MapFn = Callable[[Callable, Iterable], Iterator]
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """``t``'s memory as numpy integers of its element size (bfloat16 has no numpy type; the bits are what moves)."""
+    return t.view(_SAME_SIZE_INT[t.element_size()]).numpy()

@@ -5,8 +5,12 @@ thread encodes them and sends them (SET NX: a key already there is left alone). 
 (Redis slower than the saves), a batch is dropped and counted. A load sends MGETs of ``BLOCKS_PER_TRIP``
 blocks (256 tokens at block size 16) together in one pipeline, so a prompt's blocks come back in one
 round trip; a few threads check the values at once (CRC-32, which zlib computes without the GIL), and
-the caller copies them into their cache blocks. The first block that is missing or does not decode ends
-the load (the rest of the prompt is recomputed).
+the caller copies them into their cache blocks (on the same threads: ``map``). The first block that is
+missing or does not decode ends the load (the rest of the prompt is recomputed).
+
+``prefetch`` runs a load on a fetcher thread: it only reads Redis into host memory, never the cache, so it
+may start as soon as a plan arrives, while the step before it still runs; the plan's step copies what
+came back into its blocks, in plan order.
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -49,6 +53,7 @@ class RedisTier:
         self._writer.start()
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self._checkers = ThreadPoolExecutor(min(cores, MAX_CHECK_THREADS), "kv-redis-check")
+        self._fetcher = ThreadPoolExecutor(1, "kv-redis-fetch")  # one at a time: plans need them in order
 
     def save(self, keys: list[str], blocks: torch.Tensor) -> bool:
         """Queue ``blocks`` [n, layers, 2, ...] (a CPU copy the caller no longer touches) under ``keys``."""
@@ -63,6 +68,14 @@ class RedisTier:
     def flush(self) -> None:
         """Wait until every queued block was sent (or failed)."""
         self._queue.join()
+
+    def prefetch(self, keys: list[str]) -> Future[list[torch.Tensor]]:
+        """``load(keys)`` on the fetcher thread."""
+        return self._fetcher.submit(self.load, keys)
+
+    def map(self, fn: Callable, items: Iterable) -> Iterator:
+        """``fn`` over ``items`` on the check threads (GIL-free work: CRC-32, numpy copies), results in order."""
+        return self._checkers.map(fn, items)
 
     def load(self, keys: list[str]) -> list[torch.Tensor]:
         """The blocks of the longest prefix of ``keys`` that Redis holds and that decode as asked (views of the
@@ -89,7 +102,7 @@ class RedisTier:
                 return "rejected"
 
         out: list[torch.Tensor] = []
-        for block in self._checkers.map(check, range(len(keys))):
+        for block in self.map(check, range(len(keys))):
             if isinstance(block, str):
                 self.on_failure(block)
                 break

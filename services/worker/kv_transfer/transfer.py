@@ -5,12 +5,16 @@ block was evicted and handed to another request), so every save is done first; a
 request's fresh blocks. A load that fails turns into computation: the request's computed count goes
 back to the first block not loaded and its scheduled tokens grow by as much, so the step computes the
 rest of the prompt and samples exactly where the scheduler expects.
+
+Redis loads may be fetched ahead (``prefetch``, when the plan arrives: with async scheduling, while the
+step before it runs); ``apply`` then only waits for what is left of the fetch and copies the blocks in.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -23,6 +27,9 @@ from services.worker.metrics import WorkerMetrics
 from services.worker.request_state import RequestState
 
 log = logging.getLogger(__name__)
+
+# Redis blocks being fetched ahead for a plan, by request id (``KvTransfer.prefetch``).
+Fetches = dict[str, Future[list[torch.Tensor]]]
 
 
 class KvTransfer:
@@ -68,8 +75,22 @@ class KvTransfer:
                     "new_requests.kv_loads", f"{new.request_id}: loads must fill the blocks before the computed count"
                 )
 
-    def apply(self, plan: worker_pb2.StepPlan, scheduled: list[RequestState]) -> int:
-        """Saves, then loads; returns how many tokens planned as loads will be computed instead."""
+    def prefetch(self, plan: worker_pb2.StepPlan) -> Fetches:
+        """Start fetching the plan's Redis loads; they only read Redis, so they may run while an earlier plan's
+        step does (its saves to Redis are of blocks no load of this plan asks for: the scheduler only plans
+        loads of keys Redis answered for)."""
+        if self.redis is None:
+            return {}
+        fetches: Fetches = {}
+        for new in plan.new_requests:
+            keys = [load.redis_key for load in _remote(new)]
+            if keys:
+                fetches[new.request_id] = self.redis.prefetch(keys)
+        return fetches
+
+    def apply(self, plan: worker_pb2.StepPlan, scheduled: list[RequestState], fetches: Fetches | None = None) -> int:
+        """Saves, then loads (Redis loads from ``fetches`` where ``prefetch`` started them); returns how many
+        tokens planned as loads will be computed instead."""
         if plan.kv_saves:
             self._save(plan.kv_saves)
         num_failed = 0
@@ -77,7 +98,8 @@ class KvTransfer:
             states = {state.request_id: state for state in scheduled}
             for new in plan.new_requests:
                 if new.kv_loads:
-                    num_failed += self._load(new, states[new.request_id])
+                    fetched = fetches.get(new.request_id) if fetches else None
+                    num_failed += self._load(new, states[new.request_id], fetched)
         return num_failed
 
     def _save(self, saves) -> None:
@@ -101,24 +123,24 @@ class KvTransfer:
             if self.redis.save(redis_keys, blocks):
                 self._count_bytes("saved", "redis", len(redis_blocks))
 
-    def _load(self, new: worker_pb2.NewRequest, state: RequestState) -> int:
+    def _load(self, new: worker_pb2.NewRequest, state: RequestState, fetched: Future | None = None) -> int:
         """Fill the request's loaded blocks; on a failure, compute from the first block not loaded."""
         bs = self.block_size
         first = new.num_computed_tokens // bs - len(new.kv_loads)
         loads = list(new.kv_loads)
+        remote = _remote(new)
+        host = loads[: len(loads) - len(remote)]
         num_loaded = 0
-        host = [load for load in loads if load.WhichOneof("tier") == "host_slot"]
-        if host:  # host hits come first in the chain and cannot fail: the scheduler's slot map is exact
+        if host:
             started = time.perf_counter()
             self.host.load([load.host_slot for load in host], [load.block_id for load in host])
             self._observe("host", len(host), time.perf_counter() - started)
             num_loaded = len(host)
-        remote = loads[num_loaded:]
         if remote:
-            started = time.perf_counter()
-            blocks = self.redis.load([load.redis_key for load in remote]) if self.redis is not None else []
-            for load, block in zip(remote, blocks, strict=False):
-                self.cache.write_block(load.block_id, block)
+            started = time.perf_counter()  # with a prefetch: only the wait for what is left of it, and the copies
+            keys = [load.redis_key for load in remote]
+            blocks = fetched.result() if fetched is not None else self.redis.load(keys)  # check: a redis tier
+            self.cache.write_each([load.block_id for load in remote[: len(blocks)]], blocks, self.redis.map)
             self._observe("redis", len(blocks), time.perf_counter() - started)
             num_loaded += len(blocks)
         if num_loaded == len(loads):
@@ -146,3 +168,11 @@ class KvTransfer:
         if self.metrics is not None and num_blocks:
             counter = self.metrics.kv_tier_saved_bytes if what == "saved" else self.metrics.kv_tier_loaded_bytes
             counter.labels(model=self.metrics.model, tier=tier).inc(num_blocks * self.bytes_per_block)
+
+
+def _remote(new: worker_pb2.NewRequest) -> list[worker_pb2.KvTierBlock]:
+    """The request's loads from Redis: those after its host loads (host hits come first in the prefix chain and
+    cannot fail: the scheduler's slot map is exact)."""
+    loads = list(new.kv_loads)
+    num_host = next((i for i, load in enumerate(loads) if load.WhichOneof("tier") != "host_slot"), len(loads))
+    return loads[num_host:]
