@@ -259,6 +259,8 @@ def speculative(d: dict) -> tuple[Table, str]:
         for r in d["rows"]
     ]
     method = d["speculative_config"]["method"]
+    if d.get("draft"):
+        method += f" ({d['draft']} as the draft)"
     parts = [f"{ratio(r['speedup'])} at concurrency {r['concurrency']} ({r['workload']})" for r in d["rows"]]
     return table(head, rows), f"{method} against none: " + ", ".join(parts)
 

@@ -20,7 +20,10 @@ _KEYS = {
     "prompt_lookup_max",
     "model",
     "disable_by_batch_size",
+    "quantization",
 }
+# The draft model's weights (vLLM's key): as --quantization takes them; absent means the target's setting.
+DRAFT_QUANTIZATIONS = ("none", "int8", "gguf")
 # vLLM accepts "[ngram]" as the model of an ngram config.
 _NGRAM_MODEL = "[ngram]"
 DEFAULT_LOOKUP = 5
@@ -34,6 +37,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_LOOKUP
     model: str = ""
     disable_by_batch_size: int = 0
+    quantization: str = ""  # the draft model's (draft_model only); "" takes --quantization
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
@@ -68,6 +72,8 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
     if not isinstance(model, str):
         raise ValueError(f"model must be a path, got {model!r}")
     if method == "ngram":
+        if raw.get("quantization"):
+            raise ValueError("quantization applies to method draft_model (the draft model's weights)")
         lo = ints.get("prompt_lookup_min")
         hi = ints.get("prompt_lookup_max")
         # As vLLM: either bound alone sets both; neither means 5.
@@ -78,4 +84,13 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
         return SpeculativeConfig("ngram", k, lo, hi, "", ints.get("disable_by_batch_size", 0))
     if not model:
         raise ValueError("method draft_model needs model (the draft model's path)")
-    return SpeculativeConfig("draft_model", k, model=model, disable_by_batch_size=ints.get("disable_by_batch_size", 0))
+    quantization = raw.get("quantization") or ""
+    if quantization and quantization not in DRAFT_QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)}, got {quantization!r}")
+    return SpeculativeConfig(
+        "draft_model",
+        k,
+        model=model,
+        disable_by_batch_size=ints.get("disable_by_batch_size", 0),
+        quantization=quantization,
+    )

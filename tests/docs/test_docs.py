@@ -232,6 +232,21 @@ SHAPES = {
             },
         ],
     },  # fmt: skip
+    "spec_bench_draft_model": {
+        "speculative_config": {"method": "draft_model", "model": "/m.gguf", "num_speculative_tokens": 4},
+        "draft": "the target's own file, --quantization gguf",
+        "rows": [
+            {
+                "workload": "grounded",
+                "concurrency": 1,
+                "off_tok_s": 37.0,
+                "spec_tok_s": 40.0,
+                "speedup": 1.08,
+                "acceptance_rate": 0.4,
+                "mean_accepted_per_draft": 1.6,
+            },
+        ],
+    },  # fmt: skip
     "pp_bench_cpu": {
         "result": {
             "pp1": {"1": {"tok_s": 18.0, "stage_busy": []}, "16": {"tok_s": 130.0, "stage_busy": []}},

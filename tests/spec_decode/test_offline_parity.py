@@ -88,11 +88,14 @@ def tinier_draft(tiny_model, tmp_path_factory):  # noqa: F811
     return save_tiny_model(path, seed=1, max_position_embeddings=128, **shape)
 
 
-@pytest.mark.parametrize("draft", ["tinier", "target"])
+@pytest.mark.parametrize("draft", ["tinier", "target", "target-int8"])
 def test_draft_model_greedy_with_preemption_equals_no_speculation(tiny_model, tinier_draft, reference, draft):  # noqa: F811
     """The tinier random draft is mostly rejected; the target as its own draft is always accepted, so the draft's
-    cache lags a token after each step and must catch up (a wrong draft K/V would show as rejections)."""
+    cache lags a token after each step and must catch up (a wrong draft K/V would show as rejections). The
+    target's own weights quantized to int8 as the draft (the config's ``quantization``) agree with it mostly."""
     config = {"method": "draft_model", "model": tinier_draft if draft == "tinier" else tiny_model}
+    if draft == "target-int8":
+        config["quantization"] = "int8"
     options = {**TINY_OPTIONS, "block_size": 4, "kv_cache_memory": 40 * 2048}
     llm = LLM(model=tiny_model, speculative_config={**config, "num_speculative_tokens": 3}, **options)
     prompts, params = repetitive_batch()
@@ -101,6 +104,9 @@ def test_draft_model_greedy_with_preemption_equals_no_speculation(tiny_model, ti
     stats = llm.engine.core.runner.spec.stats
     if draft == "target":
         assert stats.num_accepted_tokens == stats.num_draft_tokens > 1000
+    elif draft == "target-int8":
+        assert stats.num_draft_tokens / 2 < stats.num_accepted_tokens < stats.num_draft_tokens
+        assert llm.engine.core.runner.spec.proposer.runner.model.layers[0].mlp.gate_up_proj.packed is not None
     else:
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens / 4
 
