@@ -88,6 +88,9 @@ _QUANT_SIGNATURES = {
     "kvq_quantize_rows_int8": (c_void_p, c_int, c_int64, c_int, c_void_p, c_void_p),
     # x, M, K, dtype, q, scale, q2, scale2
     "kvq_quantize_residual_int8": (c_void_p, c_int, c_int64, c_int, c_void_p, c_void_p, c_void_p, c_void_p),
+    # x, w (bfloat16 tiles), bias, y, ldy, M, N, K, dtype, accumulate -> 1, or 0 without AMX (amx_bf16.h)
+    "kvq_amx_linear": (c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int64, c_int64, c_int, c_int),
+    "kvq_amx_available": (),
     # acc, M, N, row_scale, col_scale, bias, y, ldy, dtype, accumulate
     "kvq_scale_int32": (c_void_p, c_int, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int),
 }
@@ -205,6 +208,7 @@ def load_quant() -> ctypes.CDLL:
     lib = _open(QUANT)
     lib.kvq_select_path.argtypes, lib.kvq_select_path.restype = (c_int,), c_int
     lib.kvq_select_path(len(QUANT_PATHS) - 1)
+    lib.kvq_amx_linear.restype = lib.kvq_amx_available.restype = c_int
     return lib
 
 

@@ -28,7 +28,7 @@ from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rope import apply_rotary, cos_sin_tables
 from services.worker.quant.formats import PackedWeight
 from services.worker.quant.install import install_gguf
-from services.worker.quant.matmul import packed_linear
+from services.worker.quant.matmul import packed_linear, with_amx_copy
 
 if TYPE_CHECKING:
     from services.worker.models.llama_cpu import NativeCpuPath
@@ -391,3 +391,6 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")
         install_gguf(self, packed)
+        logits = self.logits_module
+        if logits.packed is not None:  # batches of logits on AMX tiles, where the CPU has them
+            logits.packed = with_amx_copy(logits.packed)
