@@ -177,8 +177,11 @@ def attach_cpu_kernels(model: LlamaForCausalLM, choice: str, device: torch.devic
         if not model.native_cpu and choice == "native":
             raise NativeKernelsUnavailable(f"they compute the Llama layer, not {model.args.architecture}'s")
         if not model.native_cpu:  # layers in torch; decodes' attention still on the paged kernel
-            dtype = model.embed_tokens.weight.dtype
-            model.layers[0].self_attn.backend.native_decode = PagedDecode(load_native_kernels(), dtype)
+            dtype, lib = model.embed_tokens.weight.dtype, load_native_kernels()
+            model.layers[0].self_attn.backend.native_decode = PagedDecode(lib, dtype)
+            for module in model.modules():  # layers that take a native kernel of their own (Gemma's norms)
+                if hasattr(module, "use_native_kernels"):
+                    module.use_native_kernels(lib)
             log.info(
                 "steps run in torch (the native CPU kernels compute the Llama layer, not %s's); decodes' attention"
                 " on the native paged kernel (%s path)",
