@@ -81,3 +81,34 @@ def test_no_copy_without_amx(monkeypatch):
     monkeypatch.setattr(matmul, "AMX_ROWS", None)
     packed = pack("q8_0", randn(16, 64, seed=9))
     assert with_amx_copy(packed) is packed
+
+
+def tiny_packed_model():
+    from services.worker.attention.torch_backend import TorchAttentionBackend
+    from services.worker.layers.linear import Linear
+    from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
+
+    args = LlamaArgs("LlamaForCausalLM", 96, 64, 128, 2, 4, 2, 16, 1e-6, 10000.0, 64, True)
+    model = LlamaForCausalLM(args, TorchAttentionBackend())
+    modules = [m for m in model.modules() if isinstance(m, Linear)] + [model.embed_tokens]
+    for i, module in enumerate(modules):
+        module.packed = pack("q8_0", randn(*module.weight.shape, seed=20 + i))
+    return model, modules[:-1]
+
+
+def test_model_copies_every_product_within_the_limit(amx):
+    model, linears = tiny_packed_model()
+    model.add_amx_copies()
+    assert model.embed_tokens.packed.amx is not None  # the (tied) LM head
+    assert all(m.packed.amx is not None for m in linears)
+
+
+def test_model_copies_the_lm_head_alone_when_all_are_over_the_limit(amx):
+    model, linears = tiny_packed_model()
+    lm_head = 2 * 96 * 64
+    model.add_amx_copies(limit=lm_head)
+    assert model.embed_tokens.packed.amx is not None
+    assert all(m.packed.amx is None for m in linears)
+    model, linears = tiny_packed_model()
+    model.add_amx_copies(limit=lm_head - 1)
+    assert model.embed_tokens.packed.amx is None and all(m.packed.amx is None for m in linears)
