@@ -18,6 +18,7 @@
  */
 
 #if defined(HAVE_X86) && defined(__linux__)
+#include <cpuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
@@ -29,9 +30,9 @@
 int kvq_amx_available(void) {
     static int granted = -1;
     if (granted < 0) {
-        __builtin_cpu_init();
-        granted = __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") &&
-                  syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        unsigned a, b, c, d; /* CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE (any compiler knows cpuid.h) */
+        const int has = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
+        granted = has && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }
     return granted;
 }

@@ -9,7 +9,8 @@ Three shared libraries, each from its C file (plus the headers beside it: ``scal
   keep torch's SDPA there).
 - ``quant_kernels.c``: the quantized linear (``--quantization``), compiled for any x86-64 or
   other CPU, with AVX-512 VNNI and AVX2 inner loops chosen at run time (per-function target
-  attributes); ``load_quant``, ``QUANT_PATHS``.
+  attributes), and AMX-BF16 tiles for weights that keep a bfloat16 copy (``amx_bf16.h``, where the CPU and
+  Linux grant them); ``load_quant``, ``QUANT_PATHS``.
 
 A library lands in ``$KVGRID_CACHE_DIR/native`` (default ``~/.cache/kvgrid/native``), named by a
 hash of its sources and flags; later starts load it without compiling. Building needs a C

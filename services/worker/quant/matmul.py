@@ -18,6 +18,9 @@ dequantized per call.
 - ``quant_kernels.c`` does y = x W^T with integer dot products over the packed bytes in their tiled
   layout (``formats.tile``: models tile their weights once at load, ``kernel_layout``; an untiled
   weight is tiled per call here), x quantized per block of 32 as ggml does.
+- On a CPU with AMX-BF16, weights that models give a bfloat16 copy in the tiles' layout (``with_amx_copy``)
+  take AMX tiles from ``AMX_ROWS`` rows, at any row count above: the integer kernel is compute-bound there
+  and the tiles are several times faster; x is rounded to bfloat16, the sums are float32.
 - Steps of at least ``DEQUANTIZE_ROWS`` rows (long prefill chunks) are compute-bound: there a
   weight the int8 GEMM does not take is dequantized to float32 for the call (cheap next to the
   GEMM) and torch's GEMM does the product. Without the native library (no C compiler) every product
