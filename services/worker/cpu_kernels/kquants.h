@@ -170,6 +170,7 @@ static void linear_k(const QRows *xr, const uint8_t *w, const void *bias, void *
                                                                          xr->d + at, xr->ds + at, nb, v);
                     for (int r = 0; r < KQ_ROWS; r++) put(y, ldy, m + r, n, v[r], fmt, NULL, bias, dt, accumulate);
                 }
+                if (m < M) prefetch_record(row + PREFETCH_AHEAD, row_bytes); /* streamed: see PREFETCH_AHEAD */
                 for (; m < M; m++) {
                     const int64_t at = (int64_t)m * nb;
                     const float v = (vnni ? row_dot_any_vnni : row_dot_any_avx2)(fmt, row, num_super, xr->q + at * QB,

@@ -9,7 +9,8 @@ Three shared libraries, each from its C file (plus the headers beside it: ``scal
   keep torch's SDPA there).
 - ``quant_kernels.c``: the quantized linear (``--quantization``), compiled for any x86-64 or
   other CPU, with AVX-512 VNNI and AVX2 inner loops chosen at run time (per-function target
-  attributes); ``load_quant``, ``QUANT_PATHS``.
+  attributes), and AMX-BF16 tiles for weights that keep a bfloat16 copy (``amx_bf16.h``, where the CPU and
+  Linux grant them); ``load_quant``, ``QUANT_PATHS``.
 
 A library lands in ``$KVGRID_CACHE_DIR/native`` (default ``~/.cache/kvgrid/native``), named by a
 hash of its sources and flags; later starts load it without compiling. Building needs a C
@@ -88,6 +89,9 @@ _QUANT_SIGNATURES = {
     "kvq_quantize_rows_int8": (c_void_p, c_int, c_int64, c_int, c_void_p, c_void_p),
     # x, M, K, dtype, q, scale, q2, scale2
     "kvq_quantize_residual_int8": (c_void_p, c_int, c_int64, c_int, c_void_p, c_void_p, c_void_p, c_void_p),
+    # x, w (bfloat16 tiles), bias, y, ldy, M, N, K, dtype, accumulate -> 1, or 0 without AMX (amx_bf16.h)
+    "kvq_amx_linear": (c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int64, c_int64, c_int, c_int),
+    "kvq_amx_available": (),
     # acc, M, N, row_scale, col_scale, bias, y, ldy, dtype, accumulate
     "kvq_scale_int32": (c_void_p, c_int, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int),
 }
@@ -205,6 +209,7 @@ def load_quant() -> ctypes.CDLL:
     lib = _open(QUANT)
     lib.kvq_select_path.argtypes, lib.kvq_select_path.restype = (c_int,), c_int
     lib.kvq_select_path(len(QUANT_PATHS) - 1)
+    lib.kvq_amx_linear.restype = lib.kvq_amx_available.restype = c_int
     return lib
 
 

@@ -12,6 +12,7 @@ layer's).
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -74,14 +75,32 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
         self.eps = eps
+        self.native: ctypes.CDLL | None = None  # the decode kernels, for float32 rows (use_native_kernels)
+        self.scale: torch.Tensor | None = None  # 1 + weight, float32, for the native kernel
+
+    def use_native_kernels(self, lib: ctypes.CDLL | None) -> None:
+        """float32 rows through the native RMSNorm (one call, not torch's eight ops: at one decode row a step
+        runs six norms a layer, and their ops' overhead showed beside the layer's products); None: torch."""
+        self.native = lib
+        self.scale = None if lib is None else (1.0 + self.weight.float()).contiguous()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm's interface: (normed, x) with ``residual`` added into x first."""
         if residual is not None:
             x = x.add_(residual)
+        if self.native is not None and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu":
+            out = torch.empty_like(x)
+            size = self.scale.shape[0]
+            self.native.kvg_rms_norm(
+                x.data_ptr(), self.scale.data_ptr(), out.data_ptr(), x.numel() // size, size, self.eps, 0
+            )  # (float32's dtype code)
+            return out, x
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype), x
+
+
+_POSITION_0 = torch.zeros(1, dtype=torch.int64)  # kvg_rope_write_kv's position into a one-row table
 
 
 class Gemma3Attention(Attention):
@@ -90,6 +109,29 @@ class Gemma3Attention(Attention):
         self.q_norm = GemmaRMSNorm(args.head_dim, args.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(args.head_dim, args.rms_norm_eps)
         self.scale = args.query_pre_attn_scalar**-0.5
+
+    def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:  # [T, E] -> [T, E]
+        """One decode row in float32 with the native kernels (GemmaRMSNorm.use_native_kernels): q/k norms in place,
+        rotary and the KV write in one call each (as the Llama layer's native path), not torch's dozen small ops."""
+        lib = self.q_norm.native
+        if lib is None or x.shape[0] != 1 or x.dtype != torch.float32 or kv_cache[0].dtype != torch.float32:
+            return super().forward(x, cos, sin, kv_cache, meta)
+        H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj.forward(x)  # [1, (H + 2 KV) D], contiguous
+        at = qkv.data_ptr()
+        lib.kvg_rms_norm(at, self.q_norm.scale.data_ptr(), at, H, D, self.q_norm.eps, 0)  # (float32's code)
+        k_at = at + H * D * qkv.element_size()
+        lib.kvg_rms_norm(k_at, self.k_norm.scale.data_ptr(), k_at, KV, D, self.k_norm.eps, 0)
+        k_cache, v_cache = kv_cache
+        # cos, sin: [1, 1, D], this row's: a table of one position, position 0
+        lib.kvg_rope_write_kv(
+            at, qkv.stride(0), cos.data_ptr(), sin.data_ptr(), _POSITION_0.data_ptr(), meta.slot_mapping.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), 1, H, KV, D, 0,
+        )  # fmt: skip
+        q = qkv[:, : self.q_size].view(1, H, D)
+        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale, self.window)  # [1, H, D]
+        out = self.o_proj.forward(out.reshape(1, self.q_size))
+        return out if self.all_reduce is None else self.all_reduce(out)
 
     def rotate_qk(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """[T, H + KV, D]: each head normalized over D, then rotated."""

@@ -258,16 +258,7 @@ class NativeCpuPath:
         window: int = 0,
     ) -> torch.Tensor:  # [B, H, D]
         """Paged decode attention for the decodes of a mixed step (``TorchAttentionBackend.native_decode``)."""
-        if query.stride(2) != 1 or query.stride(1) != self.head_dim:
-            query = query.contiguous()
-        out = torch.empty(num_seqs, self.heads, self.head_dim, dtype=query.dtype)
-        self.lib.kvg_set_num_threads(torch.get_num_threads())
-        self.lib.kvg_decode_attention(
-            query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), meta.block_tables.data_ptr(),
-            meta.block_tables.shape[1], meta.seq_lens.data_ptr(), out.data_ptr(), self.heads * self.head_dim,
-            num_seqs, self.heads, self.kv_heads, self.head_dim, k_cache.shape[1], scale, self.code, window,
-        )  # fmt: skip
-        return out
+        return paged_decode(self.lib, self.code, query, k_cache, v_cache, meta, num_seqs, scale, window)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, E] -> [R, vocab]
         model = self.model
@@ -294,6 +285,42 @@ class NativeCpuPath:
         self.lib.kvg_linear(normed.data_ptr(), weight.data_ptr(), None, out.data_ptr(), vocab, rows, vocab,
                             self.hidden, self.code, 0)  # fmt: skip
         return out
+
+
+def paged_decode(
+    lib: ctypes.CDLL,  # the decode kernels (cpu_kernels.library.load)
+    code: int,  # the dtype's (DTYPE_CODES)
+    query: torch.Tensor,  # [B, H, D], rows of any stride
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    num_seqs: int,  # the first B requests of the step, one new token each
+    scale: float,
+    window: int = 0,
+) -> torch.Tensor:  # [B, H, D]
+    """The native paged decode attention over the block tables: no gather of whole contexts, no mask."""
+    _, heads, head_dim = query.shape
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()
+    out = torch.empty(num_seqs, heads, head_dim, dtype=query.dtype)
+    lib.kvg_set_num_threads(torch.get_num_threads())
+    lib.kvg_decode_attention(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), meta.block_tables.data_ptr(),
+        meta.block_tables.shape[1], meta.seq_lens.data_ptr(), out.data_ptr(), heads * head_dim,
+        num_seqs, heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, code, window,
+    )  # fmt: skip
+    return out
+
+
+class PagedDecode:
+    """``paged_decode`` as a ``TorchAttentionBackend.native_decode`` for models whose layers run in torch
+    (not on ``NativeCpuPath``): their decodes skip the backend's gather and SDPA."""
+
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype):
+        self.lib, self.code = lib, DTYPE_CODES[str(dtype).removeprefix("torch.")]
+
+    def __call__(self, query, k_cache, v_cache, meta: AttentionMetadata, num_seqs: int, scale: float, window: int = 0):
+        return paged_decode(self.lib, self.code, query, k_cache, v_cache, meta, num_seqs, scale, window)
 
 
 def _prefill_kernel(head_dim: int, group: int) -> tuple[ctypes.CDLL | None, str]:

@@ -50,6 +50,8 @@ class PackedWeight:
     # int8 where the int8 GEMM takes only large steps (matmul.INT8_GEMM_ROWS > 1): the [N, K] rows as
     # stored, kept beside the tiled data the native kernel reads for small ones
     stored: torch.Tensor | None = None
+    # the same values rounded to bfloat16 in AMX's tile layout (``matmul.with_amx_copy``), for batches of rows
+    amx: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.num_rows < 0:
@@ -63,6 +65,7 @@ class PackedWeight:
     def nbytes(self) -> int:
         extra = 0 if self.scales is None else self.scales.numel() * 4
         extra += 0 if self.stored is None else self.stored.numel()
+        extra += 0 if self.amx is None else self.amx.numel() * 2
         return self.data.numel() * self.data.element_size() + extra
 
     def rows(self, index: torch.Tensor) -> PackedWeight:

@@ -18,6 +18,9 @@ dequantized per call.
 - ``quant_kernels.c`` does y = x W^T with integer dot products over the packed bytes in their tiled
   layout (``formats.tile``: models tile their weights once at load, ``kernel_layout``; an untiled
   weight is tiled per call here), x quantized per block of 32 as ggml does.
+- On a CPU with AMX-BF16, weights that models give a bfloat16 copy in the tiles' layout (``with_amx_copy``)
+  take AMX tiles from ``AMX_ROWS`` rows, at any row count above: the integer kernel is compute-bound there
+  and the tiles are several times faster; x is rounded to bfloat16, the sums are float32.
 - Steps of at least ``DEQUANTIZE_ROWS`` rows (long prefill chunks) are compute-bound: there a
   weight the int8 GEMM does not take is dequantized to float32 for the call (cheap next to the
   GEMM) and torch's GEMM does the product. Without the native library (no C compiler) every product
@@ -49,6 +52,11 @@ from services.worker.setup.cpu_features import detect
 DEQUANTIZE_ROWS = 100
 
 
+# Rows from which a weight with a bfloat16 copy (``with_amx_copy``) takes AMX-BF16 tiles instead of the integer
+# kernel (None: no AMX-BF16 here). One row streams the packed bytes, fewer than the copy's; at 64 rows Gemma 3's
+# 262144 x 640 LM head takes a quarter of the integer kernel's time this way (benchmarks/quant_bench.py --rows).
+AMX_ROWS = 8 if detect().amx_bf16 else None
+
 # Rows from which int8 products take the int8 GEMM (None: never), set once per process from the CPU
 # (``CpuFeatures.int8_gemm_rows``); tests switch it to run either path on any CPU.
 INT8_GEMM_ROWS = detect().int8_gemm_rows
@@ -64,6 +72,31 @@ def kernel_layout(packed: PackedWeight | PackedParts) -> PackedWeight | PackedPa
     if INT8_GEMM_ROWS <= 1:
         return untile(packed)
     return replace(tile(packed), stored=untile(packed).data)
+
+
+def with_amx_copy(packed: PackedWeight | PackedParts, chunk: int = 16384) -> PackedWeight | PackedParts:
+    """``packed`` with its values also as bfloat16 in AMX's tile layout (see ``cpu_kernels/amx_bf16.h``), where
+    this CPU has AMX-BF16 and the native library builds; otherwise as it is (parts: each part's). The copy takes
+    2 bytes a weight, beside the packed bytes that single rows keep reading (``LlamaForCausalLM.add_amx_copies``)."""
+    if isinstance(packed, PackedParts):
+        return PackedParts([with_amx_copy(p, chunk) for p in packed.parts])
+    if AMX_ROWS is None or packed.num_cols % 32 or _native() is None:
+        return packed
+    if not _native().kvq_amx_available():
+        return packed
+    n, k = packed.shape
+    groups = -(-n // 16)
+    rows = torch.zeros(groups * 16, k, dtype=torch.bfloat16)
+    for start in range(0, n, chunk):  # float32 a chunk at a time, not the whole matrix
+        index = torch.arange(start, min(n, start + chunk))
+        rows[start : start + index.numel()] = dequantize_rows(packed, index).to(torch.bfloat16)
+    # W[16 j + r, 32 c + 2 p + e] -> tile (j, c) at [p, r, e]
+    tiles = rows.view(groups, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    return replace(packed, amx=tiles)
+
+
+def _takes_amx(packed: PackedWeight, rows: int) -> bool:
+    return packed.amx is not None and AMX_ROWS is not None and rows >= AMX_ROWS
 
 
 def _takes_int8_gemm(packed: PackedWeight, rows: int) -> bool:
@@ -153,6 +186,15 @@ def linear_into(
         int8_gemm_into(x, packed, bias, out, accumulate)
         return
     lib = load_quant()
+    if _takes_amx(packed, x.shape[0]):
+        lib.kvq_set_num_threads(torch.get_num_threads())
+        n, k = packed.shape
+        done = lib.kvq_amx_linear(
+            x.data_ptr(), packed.amx.data_ptr(), _ptr(bias), out.data_ptr(), out.stride(0), x.shape[0], n, k,
+            DTYPE_CODES[str(x.dtype).removeprefix("torch.")], int(accumulate),
+        )  # fmt: skip
+        if done:
+            return
     packed = tile(packed)
     n, k = packed.shape
     lib.kvq_set_num_threads(torch.get_num_threads())
@@ -181,7 +223,7 @@ def packed_linear(
         int8_gemm_into(x.contiguous(), packed, bias, out)
         return out
     native = _native() is not None and x.dtype in (torch.float32, torch.bfloat16)
-    if native and x.shape[0] < DEQUANTIZE_ROWS:
+    if native and (x.shape[0] < DEQUANTIZE_ROWS or _takes_amx(packed, x.shape[0])):
         out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
         linear_into(x.contiguous(), packed, bias, out)
         return out

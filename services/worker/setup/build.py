@@ -18,7 +18,7 @@ from services.worker.cpu_kernels.library import load as load_native_kernels
 from services.worker.kv_cache import allocate_kv_cache
 from services.worker.model_runner import ModelRunner, profile_cache_blocks
 from services.worker.models.llama import LlamaArgs, LlamaForCausalLM
-from services.worker.models.llama_cpu import NativeCpuPath
+from services.worker.models.llama_cpu import NativeCpuPath, PagedDecode
 from services.worker.multimodal.encoder_cache import DEFAULT_CACHE_BYTES
 from services.worker.parallel.sharding import check_size, shard_args
 from services.worker.parallel.stages import stage_args
@@ -174,8 +174,21 @@ def attach_cpu_kernels(model: LlamaForCausalLM, choice: str, device: torch.devic
     try:
         if device.type != "cpu" or backend != "torch":
             raise NativeKernelsUnavailable(f"they run on CPU with the torch attention backend, not {device}/{backend}")
-        if not model.native_cpu:
+        if not model.native_cpu and choice == "native":
             raise NativeKernelsUnavailable(f"they compute the Llama layer, not {model.args.architecture}'s")
+        if not model.native_cpu:  # layers in torch; decodes' attention still on the paged kernel
+            dtype, lib = model.embed_tokens.weight.dtype, load_native_kernels()
+            model.layers[0].self_attn.backend.native_decode = PagedDecode(lib, dtype)
+            for module in model.modules():  # layers that take a native kernel of their own (Gemma's norms)
+                if hasattr(module, "use_native_kernels"):
+                    module.use_native_kernels(lib)
+            log.info(
+                "steps run in torch (the native CPU kernels compute the Llama layer, not %s's); decodes' attention"
+                " on the native paged kernel (%s path)",
+                model.args.architecture,
+                attention_path(),
+            )
+            return
         model.set_native_path(NativeCpuPath(model, load_native_kernels()))
     except (NativeKernelsUnavailable, ValueError) as exc:
         if choice == "native":
