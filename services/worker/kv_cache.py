@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import numpy as np
 import torch
 
@@ -30,7 +33,15 @@ def allocate_kv_cache(
 
 
 def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Zeros that cost nothing until touched: numpy's zeros is calloc, which hands out fresh pages the kernel
-    zero-fills on first use, where ``torch.zeros`` writes every byte up front (seconds per GiB)."""
-    raw = np.zeros((*shape[:-1], shape[-1] * dtype.itemsize), dtype=np.uint8)
+    """Zeros that cost nothing until touched: fresh anonymous pages, which the kernel zero-fills on first use,
+    where ``torch.zeros`` writes every byte up front (seconds per GiB). Mapped here rather than through
+    calloc: once a process has freed large blocks, malloc serves even a request of gigabytes from its heap,
+    and calloc then writes the zeros itself. Unmapped when the tensor is freed."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # as numpy's allocator asks for large arrays
+        pages.madvise(mmap.MADV_HUGEPAGE)
+    raw = np.frombuffer(pages, dtype=np.uint8).reshape(*shape[:-1], shape[-1] * dtype.itemsize)
     return torch.from_numpy(raw).view(dtype)

@@ -3,9 +3,9 @@
 
 The scheduler owns the slot map (``services.scheduler.kv_tiers.HostIndex``); this only copies.
 
-On CPU the slots are fresh calloc pages, so the first save into a slot would pay the kernel's page faults
-(several times the copy itself). ``start_prefault`` has a background thread fault them in, a chunk at a
-time, with ``madvise(MADV_POPULATE_WRITE)``: the kernel maps each page writable without writing to it,
+On CPU the slots are fresh anonymous pages (``lazily_zeroed``), so the first save into a slot would pay the
+kernel's page faults (several times the copy itself). ``start_prefault`` has a background thread fault them
+in, a chunk at a time, with ``madvise(MADV_POPULATE_WRITE)``: the kernel maps each page writable without writing to it,
 so a save that lands in a chunk before (or while) the thread reaches it is neither lost nor slowed by
 more than its own faults. Pinned slots (CUDA) are resident from the start.
 """
@@ -40,8 +40,8 @@ class HostTier:
         if self.pinned:
             self.slots = torch.empty(shape, dtype=k0.dtype, pin_memory=True)
         else:
-            # Fresh pages from calloc, as the KV cache itself, never a torch.empty of the tier's size: that slows
-            # every later model step on CPU, as the host side of benchmarks/kv_tiers_bench.py shows.
+            # Fresh pages (``lazily_zeroed``), as the KV cache itself, never a torch.empty of the tier's size: that
+            # slows every later model step on CPU, as the host side of benchmarks/kv_tiers_bench.py shows.
             self.slots = lazily_zeroed(shape, k0.dtype)
         self.bytes_per_block = k0[0].numel() * k0.element_size() * 2 * layers
         # Set once every slot's page is resident (at once where there is nothing to fault in).
@@ -68,7 +68,7 @@ class HostTier:
         start = self.slots.data_ptr()
         end = start + self.slots.numel() * self.slots.element_size()
         page = mmap.PAGESIZE
-        start -= start % page  # the allocation owns its whole pages: calloc maps them for it
+        start -= start % page  # page-aligned already (its own mapping)
         try:
             for at in range(start, end, chunk_bytes):
                 populate(at, min(chunk_bytes, end - at))
