@@ -42,7 +42,7 @@ def test_ngram_and_draft_model_configs_parse_with_vllm_defaults():
         ('{"method": "ngram", "num_speculative_tokens": -1}', "non-negative integer"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "lookup": 1}', "unknown key 'lookup'"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "quantization": "gguf"}', "applies to method draft_model"),
-        ('{"method": "draft_model", "model": "/d", "num_speculative_tokens": 2, "quantization": "fp8"}', "none, int8, gguf"),
+        ('{"method": "draft_model", "model": "/d", "num_speculative_tokens": 2, "quantization": "q"}', "int8, gguf"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}', "<="),
         ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs model"),
     ],
