@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from services.worker.cpu_kernels.library import load_quant
+from services.worker.models.llama import PACKED_GEMM_LIMIT
 from services.worker.quant import formats, matmul
+from services.worker.quant.install import add_amx_copies
 from services.worker.quant.matmul import dequantize_rows, linear_into, packed_linear, with_amx_copy
 from tests.worker.kquant_pack import quantize
 
@@ -98,7 +100,7 @@ def tiny_packed_model():
 
 def test_model_copies_every_product_within_the_limit(amx):
     model, linears = tiny_packed_model()
-    model.add_amx_copies()
+    add_amx_copies(model, model.logits_module, PACKED_GEMM_LIMIT)
     assert model.embed_tokens.packed.amx is not None  # the (tied) LM head
     assert all(m.packed.amx is not None for m in linears)
 
@@ -106,9 +108,9 @@ def test_model_copies_every_product_within_the_limit(amx):
 def test_model_copies_the_lm_head_alone_when_all_are_over_the_limit(amx):
     model, linears = tiny_packed_model()
     lm_head = 2 * 96 * 64
-    model.add_amx_copies(limit=lm_head)
+    add_amx_copies(model, model.logits_module, lm_head)
     assert model.embed_tokens.packed.amx is not None
     assert all(m.packed.amx is None for m in linears)
     model, linears = tiny_packed_model()
-    model.add_amx_copies(limit=lm_head - 1)
+    add_amx_copies(model, model.logits_module, lm_head - 1)
     assert model.embed_tokens.packed.amx is None and all(m.packed.amx is None for m in linears)

@@ -11,7 +11,6 @@ in a batch-1 decode step.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -28,8 +27,8 @@ from services.worker.layers.linear import Embedding, Linear
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rope import apply_rotary, cos_sin_tables
 from services.worker.quant.formats import PackedWeight
-from services.worker.quant.install import install_gguf
-from services.worker.quant.matmul import packed_linear, with_amx_copy
+from services.worker.quant.install import add_amx_copies, install_gguf
+from services.worker.quant.matmul import packed_linear
 
 if TYPE_CHECKING:
     from services.worker.models.llama_cpu import NativeCpuPath
@@ -392,19 +391,4 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")
         install_gguf(self, packed)
-        self.add_amx_copies()
-
-    def add_amx_copies(self, limit: int = PACKED_GEMM_LIMIT) -> None:
-        """bfloat16 copies of the packed products' weights for AMX tiles (``matmul.with_amx_copy``; nothing where
-        the CPU has no AMX-BF16): decode batches of 8+ rows are compute-bound on the integer kernel, several
-        times slower. Every product's where the copies come to at most ``limit`` bytes, else the LM head's alone
-        (the widest product) if it fits."""
-        logits = self.logits_module
-        targets = [m for m in self.modules() if isinstance(m, Linear) and m.packed is not None and m is not logits]
-        if logits.packed is not None:
-            targets.insert(0, logits)
-        sizes = [2 * math.prod(m.packed.shape) for m in targets]
-        if sum(sizes) > limit:
-            targets = targets[:1] if targets and targets[0] is logits and sizes[0] <= limit else []
-        for module in targets:
-            module.packed = with_amx_copy(module.packed)
+        add_amx_copies(self, self.logits_module, PACKED_GEMM_LIMIT)

@@ -9,12 +9,13 @@ the float copy is never held.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from torch import nn
 
 from services.worker.quant.formats import PackedParts, PackedWeight, concat_rows, dequantize, quantize_int8
-from services.worker.quant.matmul import kernel_layout
+from services.worker.quant.matmul import kernel_layout, with_amx_copy
 
 log = logging.getLogger(__name__)
 
@@ -68,3 +69,18 @@ def install_int8(model: nn.Module, targets: list[nn.Module]) -> None:
     """Weight-only int8, one scale per output channel, for each module of ``targets``."""
     for module in targets:
         _give_up_float_weight(module, quantize_int8(module.weight))
+
+
+def add_amx_copies(model: nn.Module, logits: nn.Module, limit: int) -> None:
+    """bfloat16 copies of the packed products' weights for AMX tiles (``matmul.with_amx_copy``; nothing where
+    the CPU has no AMX-BF16): decode batches of 8+ rows are compute-bound on the integer kernel, several
+    times slower. Every product's where the copies come to at most ``limit`` bytes, else the LM head's
+    (``logits``, the widest product) alone if it fits."""
+    targets = [m for m in packed_modules(model) if m is not logits and isinstance(m, nn.Linear)]
+    if getattr(logits, "packed", None) is not None:
+        targets.insert(0, logits)
+    sizes = [2 * math.prod(m.packed.shape) for m in targets]
+    if sum(sizes) > limit:
+        targets = targets[:1] if targets and targets[0] is logits and sizes[0] <= limit else []
+    for module in targets:
+        module.packed = with_amx_copy(module.packed)

@@ -77,7 +77,7 @@ def kernel_layout(packed: PackedWeight | PackedParts) -> PackedWeight | PackedPa
 def with_amx_copy(packed: PackedWeight | PackedParts, chunk: int = 16384) -> PackedWeight | PackedParts:
     """``packed`` with its values also as bfloat16 in AMX's tile layout (see ``cpu_kernels/amx_bf16.h``), where
     this CPU has AMX-BF16 and the native library builds; otherwise as it is (parts: each part's). The copy takes
-    2 bytes a weight, beside the packed bytes that single rows keep reading (``LlamaForCausalLM.add_amx_copies``)."""
+    2 bytes a weight, beside the packed bytes that single rows keep reading (``quant.install.add_amx_copies``)."""
     if isinstance(packed, PackedParts):
         return PackedParts([with_amx_copy(p, chunk) for p in packed.parts])
     if AMX_ROWS is None or packed.num_cols % 32 or _native() is None:
