@@ -36,9 +36,27 @@ def randn(*shape, dtype, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 64, 64), (3, 37, 45), (8, 200, 136)])
+@pytest.fixture
+def two_threads(lib):
+    lib.kvg_set_num_threads(2)
+    yield
+    lib.kvg_set_num_threads(1)
+
+
+@pytest.fixture(params=library.LINEAR_PATHS)
+def linear_path(lib, request):
+    """The bfloat16 GEMV forced to each path (one this CPU lacks is skipped); the widest restored after."""
+    if library.select_linear_path(request.param) != request.param:
+        library.select_linear_path(library.LINEAR_PATHS[-1])
+        pytest.skip(f"this CPU has no {request.param} GEMV")
+    yield request.param
+    library.select_linear_path(library.LINEAR_PATHS[-1])
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 64, 64), (3, 37, 45), (8, 200, 136), (2, 9, 600)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear(lib, dtype, rows, n, k, bias):
+def test_linear(lib, dtype, linear_path, two_threads, rows, n, k, bias):
+    """Row counts short of a group and of a thread's share, and rows whose length ends short of a vector."""
     dt, code = dtype
     x, w = randn(rows, k, dtype=dt, seed=1), randn(n, k, dtype=dt, seed=2)
     b = randn(n, dtype=dt, seed=3) if bias else None
@@ -47,7 +65,7 @@ def test_linear(lib, dtype, rows, n, k, bias):
     torch.testing.assert_close(out, F.linear(x, w, b), **TOLERANCE[dt])
 
 
-def test_linear_accumulates_into_strided_rows(lib, dtype):
+def test_linear_accumulates_into_strided_rows(lib, dtype, linear_path):
     """y += x W^T into every other column: the residual add, rounded as torch rounds it."""
     dt, code = dtype
     x, w = randn(2, 48, dtype=dt, seed=4), randn(16, 48, dtype=dt, seed=5)
@@ -56,13 +74,6 @@ def test_linear_accumulates_into_strided_rows(lib, dtype):
     expected[:, :16] = F.linear(x, w).add_(y[:, :16])
     lib.kvg_linear(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), 32, 2, 16, 48, code, 1)
     torch.testing.assert_close(y, expected, **TOLERANCE[dt])
-
-
-@pytest.fixture
-def two_threads(lib):
-    lib.kvg_set_num_threads(2)
-    yield
-    lib.kvg_set_num_threads(1)
 
 
 @pytest.mark.parametrize("rows,width", [(3, 72), (5, 75), (64, 576)])
@@ -233,6 +244,13 @@ def test_attention_path_is_the_widest_the_cpu_has(lib):
     assert library.select_attention_path("avx512") == min(widest, "avx512", key=library.ATTENTION_PATHS.index)
     assert library.select_attention_path("avx512-bf16") == widest
     assert library.attention_path() == widest
+
+
+def test_linear_path_is_the_widest_the_cpu_has(lib):
+    widest = "avx512-bf16" if {"avx512_bf16", "avx512bw"} <= cpu_flags() else "avx2"
+    assert library.select_linear_path("avx2") == "avx2"
+    assert library.select_linear_path("avx512-bf16") == widest
+    assert library.linear_path() == widest
 
 
 @pytest.mark.parametrize(

@@ -143,12 +143,16 @@ def test_engine_choice(tmp_path, monkeypatch, caplog):
     with pytest.raises(ModelLoadError, match="--cpu-kernels native: .*float16"):
         load_model(path, dtype="float16", device="cpu", cpu_kernels="native")
 
-    # bfloat16 weights take oneDNN's GEMM on weights reordered at load where the CPU has bfloat16 units; elsewhere
-    # they are multiplied in float32, on MKL's packed GEMM from 2 rows.
+    # bfloat16 weights take oneDNN's GEMM on weights reordered at load where the CPU has bfloat16 units, below 5
+    # rows the native GEMV where it multiplies bfloat16 pairs; elsewhere they are multiplied in float32, on MKL's
+    # packed GEMM from 2 rows.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="services.worker.setup.build"):
         assert load_model(path, dtype="bfloat16", device="cpu", cpu_kernels="auto").model.native_path is not None
-    if detect_cpu().bf16_units:
+    pairs_then_gemm = "the native GEMV on bfloat16 pairs up to 4 rows, the GEMM on oneDNN's reordered bfloat16 weights"
+    if detect_cpu().bf16_units and library.linear_path() == "avx512-bf16":
+        assert f"matmuls: {pairs_then_gemm} above" in caplog.text
+    elif detect_cpu().bf16_units:
         assert "matmuls: the GEMM on oneDNN's reordered bfloat16 weights at every row count" in caplog.text
     else:
         assert "matmuls: the native GEMV at 1 row, the GEMM on MKL's packed float32 weights above" in caplog.text

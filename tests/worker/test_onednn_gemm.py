@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.cpu_kernels import onednn_gemm
+from services.worker.cpu_kernels import library, onednn_gemm
 from services.worker.setup.build import create_runner, load_model
 from tests.worker.test_cpu_kernels import TOLERANCE
 from tests.worker.tiny import drop_packed_gemms, request, run_logits, save_tiny_model
@@ -63,11 +63,29 @@ def step_logits(loaded) -> torch.Tensor:
     return torch.stack(logits)
 
 
-@pytest.mark.parametrize("cpu_kernels", ["torch", "native"])
-def test_model_reorders_bfloat16_weights_where_the_cpu_has_units(tmp_path, cpu_kernels, monkeypatch):
+@pytest.fixture
+def linear_path(request):
+    """The native bfloat16 GEMV forced to the path named (one this CPU lacks is skipped; None: this CPU's widest),
+    the widest restored after."""
+    if request.param is None:
+        yield library.linear_path()
+        return
+    if library.select_linear_path(request.param) != request.param:
+        library.select_linear_path(library.LINEAR_PATHS[-1])
+        pytest.skip(f"this CPU has no {request.param} GEMV")
+    yield request.param
+    library.select_linear_path(library.LINEAR_PATHS[-1])
+
+
+@pytest.mark.parametrize(
+    "cpu_kernels,linear_path", [("torch", None), ("native", "avx2"), ("native", "avx512-bf16")],
+    indirect=["linear_path"],
+)  # fmt: skip
+def test_model_reorders_bfloat16_weights_where_the_cpu_has_units(tmp_path, cpu_kernels, linear_path, monkeypatch):
     """With bfloat16 units every unquantized matrix and the (tied) logits weight get a reordered copy, which
-    takes every product (18, 3 and 1 rows) on the torch and native paths alike; the logits are the unreordered
-    model's (torch's: the same bits). Without bfloat16 units nothing is reordered."""
+    takes every product (18, 3 and 1 rows) on the torch path, and on the native path too where its GEMV widens
+    bfloat16 to float32; where that GEMV multiplies bfloat16 pairs it takes the products of up to 4 rows. The
+    logits are the unreordered model's (torch's: the same bits). Without bfloat16 units nothing is reordered."""
     path = save_tiny_model(str(tmp_path), "qwen2", tie_word_embeddings=True)  # biases on q, k, v
     # Not upcast, whatever this CPU has: set_packed_gemms is told below whether there are bfloat16 units.
     loaded = load_model(
@@ -85,7 +103,12 @@ def test_model_reorders_bfloat16_weights_where_the_cpu_has_units(tmp_path, cpu_k
     assert isinstance(model.logits_gemm, onednn_gemm.OnednnGemm) and model.logits_weight_f32 is None
     weights = sum(m.weight.numel() for m in linears) + model.embed_tokens.weight.numel()
     assert model.packed_gemm_bytes() == 2 * weights
-    if model.native_path is not None:
+    pairs = model.native_path is not None and linear_path == "avx512-bf16"
+    if pairs:
+        assert model.native_path.matmul_path() == (
+            "the native GEMV on bfloat16 pairs up to 4 rows, the GEMM on oneDNN's reordered bfloat16 weights above"
+        )
+    elif model.native_path is not None:
         assert model.native_path.matmul_path() == "the GEMM on oneDNN's reordered bfloat16 weights at every row count"
     rows = []
     product = onednn_gemm.OnednnGemm.__call__
@@ -94,7 +117,8 @@ def test_model_reorders_bfloat16_weights_where_the_cpu_has_units(tmp_path, cpu_k
     )
     reordered = step_logits(loaded)
     per_step = len(linears) + 1  # and the logits
-    assert sorted(rows) == sorted([18] * len(linears) + [3] + [3] * per_step + [1] * per_step)
+    few_rows = [] if pairs else [3] + [3] * per_step + [1] * per_step  # the prefill's logits, then the decodes
+    assert sorted(rows) == sorted([18] * len(linears) + few_rows)
     if model.native_path is None:
         assert torch.equal(reordered, plain)
     else:  # the native GEMV took 1-3 rows without the reordered weights

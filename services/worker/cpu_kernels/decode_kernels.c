@@ -139,12 +139,91 @@ INLINE void linear_impl(const float *xf, const void *w, const void *bias, void *
 }
 
 /*
+ * bfloat16 weights and input on CPUs with AVX512-BF16 (kvg_select_linear_path): VDPBF16PS multiplies
+ * 32 bfloat16 pairs as stored, two exact products added into each float32 lane, where the loop above
+ * widens every weight to float32 first (a shift and a multiply-add per 8 values, work that keeps two
+ * cores short of the memory bandwidth at batch 1). The same exact products, summed in another order,
+ * subnormal products (below 1e-38) flushed to zero. Rows of K % 32 end in a masked load of zeros.
+ */
+#define BF16DOT_TARGET "avx2,fma,avx512f,avx512bw,avx512bf16"
+#define BF16DOT_FN __attribute__((target(BF16DOT_TARGET), always_inline)) static inline
+#define BF16_ROWS 4 /* weight rows per pass: four streams, each x vector loaded once for all of them */
+
+BF16DOT_FN float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+/* acc[r] = x . w[row r], r < BF16_ROWS (rows past the weight's end repeat its last row, unused) */
+BF16DOT_FN void dot_rows_bf16dot(const uint16_t *x, const uint16_t *const *w, int64_t K, const char *next, float *acc) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        if (next) for (int r = 0; r < BF16_ROWS; r++) _mm_prefetch(next + (r * K + k) * 2, _MM_HINT_T0);
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + k));
+        a0 = _mm512_dpbf16_ps(a0, xv, (__m512bh)_mm512_loadu_si512((const void *)(w[0] + k)));
+        a1 = _mm512_dpbf16_ps(a1, xv, (__m512bh)_mm512_loadu_si512((const void *)(w[1] + k)));
+        a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_loadu_si512((const void *)(w[2] + k)));
+        a3 = _mm512_dpbf16_ps(a3, xv, (__m512bh)_mm512_loadu_si512((const void *)(w[3] + k)));
+    }
+    if (k < K) {
+        const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + k);
+        a0 = _mm512_dpbf16_ps(a0, xv, (__m512bh)_mm512_maskz_loadu_epi16(m, w[0] + k));
+        a1 = _mm512_dpbf16_ps(a1, xv, (__m512bh)_mm512_maskz_loadu_epi16(m, w[1] + k));
+        a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_maskz_loadu_epi16(m, w[2] + k));
+        a3 = _mm512_dpbf16_ps(a3, xv, (__m512bh)_mm512_maskz_loadu_epi16(m, w[3] + k));
+    }
+    acc[0] = hsum16(a0), acc[1] = hsum16(a1), acc[2] = hsum16(a2), acc[3] = hsum16(a3);
+}
+
+__attribute__((target(BF16DOT_TARGET))) static void linear_bf16dot(const uint16_t *x, const uint16_t *w,
+                                                                   const void *bias, void *y, int64_t ldy, int M,
+                                                                   int64_t N, int64_t K, int accumulate) {
+    const int64_t groups = (N + BF16_ROWS - 1) / BF16_ROWS;
+#pragma omp parallel for schedule(dynamic, 8) num_threads(num_threads)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t n0 = g * BF16_ROWS;
+        const int rows = N - n0 < BF16_ROWS ? (int)(N - n0) : BF16_ROWS;
+        const uint16_t *w_rows[BF16_ROWS];
+        for (int r = 0; r < BF16_ROWS; r++) w_rows[r] = w + (n0 + (r < rows ? r : rows - 1)) * K;
+        /* bfloat16 rows are short streams that the hardware prefetchers pick up late (see dot_rows) */
+        const char *next = g + 1 < groups && rows == BF16_ROWS ? (const char *)(w + (n0 + BF16_ROWS) * K) : NULL;
+        for (int m = 0; m < M; m++) {  /* the first row m streams the weights, the others find them in L1 */
+            float acc[BF16_ROWS];
+            dot_rows_bf16dot(x + (int64_t)m * K, w_rows, K, m == 0 ? next : NULL, acc);
+            for (int r = 0; r < rows; r++) {
+                const int64_t n = n0 + r, at = (int64_t)m * ldy + n;
+                float v = acc[r] + (bias ? load1(bias, n, BF16) : 0.0f);
+                if (accumulate) v = load1(y, at, BF16) + round_to(v, BF16);
+                store1(y, at, v, BF16);
+            }
+        }
+    }
+}
+
+enum { LINEAR_AVX2 = 0, LINEAR_AVX512_BF16 = 1 };
+static int linear_path = -1; /* -1: not decided yet */
+
+/* The fastest bfloat16 GEMV this CPU runs, at most want (tests force the other). */
+int kvg_select_linear_path(int want) {
+    __builtin_cpu_init();
+    const int best = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") ? LINEAR_AVX512_BF16
+                                                                                               : LINEAR_AVX2;
+    linear_path = want < best ? (want < 0 ? LINEAR_AVX2 : want) : best;
+    return linear_path;
+}
+
+int kvg_linear_path(void) { return linear_path < 0 ? kvg_select_linear_path(LINEAR_AVX512_BF16) : linear_path; }
+
+/*
  * y[m, n] = sum_k x[m, k] w[n, k] + bias[n], for m < M (a handful of decode rows).
  * x: [M, K] (row stride K), w: [N, K], bias: [N] or NULL, y: rows of stride ldy; all dtype dt.
  * accumulate: y[m, n] += (that value, rounded to dt), as torch's residual add of a linear's output.
  */
 void kvg_linear(const void *x, const void *w, const void *bias, void *y, int64_t ldy, int M, int64_t N, int64_t K,
                 int dt, int accumulate) {
+    if (dt == BF16 && kvg_linear_path() == LINEAR_AVX512_BF16) {
+        linear_bf16dot(x, w, bias, y, ldy, M, N, K, accumulate);
+        return;
+    }
     float *xf = malloc(sizeof(float) * M * K);
     to_f32(x, 0, xf, (int64_t)M * K, dt);
     if (dt == BF16)
@@ -593,9 +672,6 @@ __attribute__((target(AVX512_TARGET))) static void attention_chunk_avx512(
  * flushes subnormals (below 1e-38) to zero. Tried and slower: one pass over the values
  * for all G heads of a KV head, sharing each pair's loads and interleave.
  */
-#define BF16DOT_TARGET "avx2,fma,avx512f,avx512bw,avx512bf16"
-#define BF16DOT_FN __attribute__((target(BF16DOT_TARGET), always_inline)) static inline
-
 BF16DOT_FN __m512bh load32bh(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512((const void *)p); }
 
 BF16DOT_FN void attention_chunk_bf16dot(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,

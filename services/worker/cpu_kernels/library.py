@@ -2,7 +2,8 @@
 
 Three shared libraries, each from its C file (plus the headers beside it: ``scalar.h``, ``kquants.h``...):
 - ``decode_kernels.c``: the float32/bfloat16 step kernels, compiled for AVX2 and FMA (paged
-  attention also with AVX-512 and AVX512-BF16, chosen at run time: ``ATTENTION_PATHS``); ``load`` raises
+  attention also with AVX-512 and AVX512-BF16, chosen at run time: ``ATTENTION_PATHS``, and the
+  bfloat16 GEMV with AVX512-BF16: ``LINEAR_PATHS``); ``load`` raises
   ``NativeKernelsUnavailable`` on CPUs without AVX2 and FMA.
 - ``prefill_attention.c``: causal attention of prefill chunks over the paged cache, compiled for
   AVX-512F; ``load_prefill`` raises ``NativeKernelsUnavailable`` on CPUs without it (prefill chunks
@@ -43,6 +44,8 @@ FLAGS = (*COMMON, "-mavx2", "-mfma")
 DTYPE_CODES = {"float32": 0, "bfloat16": 1}  # see scalar.h
 # Paged decode attention's vector widths, slowest first (kvg_select_attention_path's codes, decode_kernels.c).
 ATTENTION_PATHS = ("avx2", "avx512", "avx512-bf16")
+# The bfloat16 GEMV's paths, slowest first (kvg_select_linear_path's codes): widened to float32, or bfloat16 pairs.
+LINEAR_PATHS = ("avx2", "avx512-bf16")
 # The quantized linear's dot products, slowest first (kvq_select_path's codes, see quant_kernels.c).
 QUANT_PATHS = ("scalar", "avx2", "avx512-vnni")
 
@@ -177,6 +180,10 @@ def load() -> ctypes.CDLL:
     lib.kvg_select_attention_path.argtypes, lib.kvg_select_attention_path.restype = (c_int,), c_int
     lib.kvg_attention_path.argtypes, lib.kvg_attention_path.restype = (), c_int
     lib.kvg_select_attention_path(len(ATTENTION_PATHS) - 1)
+    for name in ("kvg_select_linear_path", "kvg_linear_path"):
+        getattr(lib, name).restype = c_int
+    lib.kvg_select_linear_path.argtypes = (c_int,)
+    lib.kvg_select_linear_path(len(LINEAR_PATHS) - 1)
     return lib
 
 
@@ -189,6 +196,17 @@ def select_attention_path(name: str) -> str:
     """Use paged decode attention's ``name`` path (of ATTENTION_PATHS), or the fastest below it this CPU
     has (tests force each one); returns the path now in use."""
     return ATTENTION_PATHS[load().kvg_select_attention_path(ATTENTION_PATHS.index(name))]
+
+
+def linear_path() -> str:
+    """The bfloat16 GEMV path in use (of LINEAR_PATHS)."""
+    return LINEAR_PATHS[load().kvg_linear_path()]
+
+
+def select_linear_path(name: str) -> str:
+    """Use the bfloat16 GEMV's ``name`` path (of LINEAR_PATHS), or the fastest below it this CPU has;
+    returns the path now in use."""
+    return LINEAR_PATHS[load().kvg_select_linear_path(LINEAR_PATHS.index(name))]
 
 
 @functools.cache

@@ -13,10 +13,11 @@ and the copies between them cost a share of the step that the native ones mostly
 pick their kernel by row count (``Linear.gemm``, the weight packed at load): float32 weights take
 the native GEMV for one row and MKL's GEMM on packed weights above (written straight into this
 path's buffers, and ahead of the GEMV from two rows); bfloat16 weights on a CPU with bfloat16
-units take oneDNN's GEMM on weights reordered for those units at every row count
-(``cpu_kernels.onednn_gemm``: as fast as the GEMV, which widens to float32, at one row, and faster
-above). Without a packed GEMM, the native GEMV up to ``gemv_rows`` rows (16; 4 for bfloat16 with
-bfloat16 units) and torch's GEMM above (compute-bound there, where MKL is faster); packed weights
+units take the native GEMV on bfloat16 pairs (AVX512-BF16) up to ``BF16_PAIR_ROWS`` rows, where it
+streams the weights faster than any GEMM, and oneDNN's GEMM on weights reordered for those units
+above (``cpu_kernels.onednn_gemm``; at every row count where the GEMV can only widen to float32).
+Without a packed GEMM, the native GEMV up to ``gemv_rows`` rows (16; 4 for bfloat16 with bfloat16
+units) and torch's GEMM above (compute-bound there, where MKL is faster); packed weights
 (``--quantization``) take ``quant.matmul``. Same weights, same KV cache, same numerics op for op
 (see the C files).
 """
@@ -28,7 +29,13 @@ import ctypes
 import torch
 
 from services.worker.attention.base import AttentionMetadata
-from services.worker.cpu_kernels.library import DTYPE_CODES, NativeKernelsUnavailable, load_prefill, load_quant
+from services.worker.cpu_kernels.library import (
+    DTYPE_CODES,
+    NativeKernelsUnavailable,
+    linear_path,
+    load_prefill,
+    load_quant,
+)
 from services.worker.quant.formats import FORMAT_CODES
 from services.worker.quant.matmul import DEQUANTIZE_ROWS, linear_into, packed_linear
 from services.worker.setup.cpu_features import detect as detect_cpu
@@ -45,6 +52,10 @@ NATIVE_ROWS = 16
 # measures it on such a CPU.
 # Only where torch cannot reorder the weights for oneDNN (cpu_kernels.onednn_gemm), which then takes every row count.
 BF16_UNITS_NATIVE_ROWS = 4
+# bfloat16 weights with a reordered oneDNN GEMM, on a CPU whose GEMV multiplies bfloat16 pairs (LINEAR_PATHS'
+# "avx512-bf16"): rows up to which that GEMV leads. Measured with benchmarks/worker_bench.py --dtype bfloat16 on
+# an AMX Xeon, 2 threads, whole decode steps: 1.49x the GEMM at 1 row, 1.41x at 2, 1.12x at 4, 0.83x at 8.
+BF16_PAIR_ROWS = 4
 
 
 def gemv_rows(dtype: torch.dtype, bf16_units: bool) -> int:
@@ -80,6 +91,8 @@ class NativeCpuPath:
                 raise ValueError("the native CPU kernels need contiguous CPU weights")
         self.lib, self.model = lib, model
         self.native_rows = gemv_rows(dtype, detect_cpu().bf16_units)
+        pairs = dtype == torch.bfloat16 and linear_path() == "avx512-bf16"
+        self.pair_rows = BF16_PAIR_ROWS if pairs else 0  # rows the GEMV takes ahead of a bfloat16 GEMM
         self.prefill_lib, self.prefill_path = _prefill_kernel(a.head_dim, a.num_heads // a.num_kv_heads)
         if any(a.layer_windows):  # the native prefill kernel reads whole contexts: windowed chunks go to the backend
             self.prefill_lib, self.prefill_path = None, "SDPA (sliding-window layers)"
@@ -112,6 +125,9 @@ class NativeCpuPath:
         if self.model.logits_module.packed is not None:
             return "packed weights through the quantized linear (see the CPU line)"
         gemm = self.model.logits_gemm
+        if gemm is not None and gemm.dtype == torch.bfloat16 and self.pair_rows:
+            pairs = f"the native GEMV on bfloat16 pairs up to {self.pair_rows} rows"
+            return f"{pairs}, the GEMM on {gemm.weights} weights above"
         if gemm is not None and gemm.min_rows == 1:
             return f"the GEMM on {gemm.weights} weights at every row count"
         if gemm is not None:  # from 2 rows
@@ -120,8 +136,10 @@ class NativeCpuPath:
 
     def takes_gemv(self, gemm, rows: int) -> bool:
         """Whether an unquantized product of ``rows`` rows takes the native GEMV rather than a GEMM: below the
-        packed GEMM's own row minimum, or up to ``native_rows`` without one."""
-        return rows < gemm.min_rows if gemm is not None else rows <= self.native_rows
+        packed GEMM's own row minimum (or ``pair_rows`` for a bfloat16 one), or up to ``native_rows`` without one."""
+        if gemm is None:
+            return rows <= self.native_rows
+        return rows < gemm.min_rows or (rows <= self.pair_rows and gemm.dtype == torch.bfloat16)
 
     def linear(self, module, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
         """out (+)= module(x), out's rows possibly strided: the kernel for this row count and weight."""
