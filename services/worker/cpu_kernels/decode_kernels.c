@@ -111,6 +111,18 @@ INLINE float dot_row(const float *x, const void *w, int64_t n, int64_t K, int dt
     return s;
 }
 
+/* Output row y (y + row, dtype dt), columns n0 .. n0 + rows - 1: the products acc plus bias; accumulate adds them,
+ * rounded to dt first, to what y holds (torch's residual add of a linear's output). */
+INLINE void store_rows(const float *acc, int rows, int64_t n0, const void *bias, void *y, int64_t row, int dt,
+                       int accumulate) {
+    for (int r = 0; r < rows; r++) {
+        const int64_t n = n0 + r, at = row + n;
+        float v = acc[r] + (bias ? load1(bias, n, dt) : 0.0f);
+        if (accumulate) v = load1(y, at, dt) + round_to(v, dt);
+        store1(y, at, v, dt);
+    }
+}
+
 INLINE void linear_impl(const float *xf, const void *w, const void *bias, void *y, int64_t ldy, int M, int64_t N,
                         int64_t K, int dt, int accumulate) {
     const int64_t groups = (N + ROWS - 1) / ROWS;
@@ -128,12 +140,7 @@ INLINE void linear_impl(const float *xf, const void *w, const void *bias, void *
                 dot_rows(xf + (int64_t)m * K, w, n0, K, F32, acc);
             else
                 for (int r = 0; r < rows; r++) acc[r] = dot_row(xf + (int64_t)m * K, w, n0 + r, K, dt);
-            for (int r = 0; r < rows; r++) {
-                const int64_t n = n0 + r, at = (int64_t)m * ldy + n;
-                float v = acc[r] + (bias ? load1(bias, n, dt) : 0.0f);
-                if (accumulate) v = load1(y, at, dt) + round_to(v, dt);
-                store1(y, at, v, dt);
-            }
+            store_rows(acc, rows, n0, bias, y, (int64_t)m * ldy, dt, accumulate);
         }
     }
 }
@@ -189,12 +196,7 @@ __attribute__((target(BF16DOT_TARGET))) static void linear_bf16dot(const uint16_
         for (int m = 0; m < M; m++) {  /* the first row m streams the weights, the others find them in L1 */
             float acc[BF16_ROWS];
             dot_rows_bf16dot(x + (int64_t)m * K, w_rows, K, m == 0 ? next : NULL, acc);
-            for (int r = 0; r < rows; r++) {
-                const int64_t n = n0 + r, at = (int64_t)m * ldy + n;
-                float v = acc[r] + (bias ? load1(bias, n, BF16) : 0.0f);
-                if (accumulate) v = load1(y, at, BF16) + round_to(v, BF16);
-                store1(y, at, v, BF16);
-            }
+            store_rows(acc, rows, n0, bias, y, (int64_t)m * ldy, BF16, accumulate);
         }
     }
 }
