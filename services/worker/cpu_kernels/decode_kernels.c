@@ -67,7 +67,9 @@ INLINE float hsum8(__m256 v) {
 }
 
 static void to_f32(const void *src, int64_t offset, float *dst, int64_t n, int dt) {
-    for (int64_t i = 0; i < n; i++) dst[i] = load1(src, offset + i, dt);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src, offset + i, dt));
+    for (; i < n; i++) dst[i] = load1(src, offset + i, dt);
 }
 
 /* ---- linear: y = x W^T + b --------------------------------------------------------------- */
@@ -244,17 +246,46 @@ void kvg_linear(const void *x, const void *w, const void *bias, void *y, int64_t
  * test allows); NORM_ROWS rows advance together so that their chains overlap, and groups of rows
  * split across threads.
  */
-#define NORM_ROWS 8
+#define NORM_ROWS 8 /* = the lanes of a vector (transpose8) */
+
+/* r[j] lane i <- r[i] lane j */
+INLINE void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int k = 0; k < 8; k += 2) t[k] = _mm256_unpacklo_ps(r[k], r[k + 1]), t[k + 1] = _mm256_unpackhi_ps(r[k], r[k + 1]);
+    for (int k = 0; k < 8; k += 4) {
+        u[k] = _mm256_shuffle_ps(t[k], t[k + 2], 0x44), u[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], 0xEE);
+        u[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0x44), u[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+    }
+    for (int k = 0; k < 4; k++)
+        r[k] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x20), r[k + 4] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x31);
+}
 
 void kvg_rms_norm(const void *x, const void *w, void *out, int M, int64_t E, float eps, int dt) {
     const int groups = (M + NORM_ROWS - 1) / NORM_ROWS;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * E > 8192)
     for (int g = 0; g < groups; g++) {
         const int m0 = g * NORM_ROWS, count = M - m0 < NORM_ROWS ? M - m0 : NORM_ROWS;
-        float ss[NORM_ROWS] = {0.0f};
-        for (int64_t i = 0; i < E; i++)
+        float ss[NORM_ROWS];
+        int64_t rows[NORM_ROWS];  /* rows past the last one repeat it; their sums are not used */
+        for (int r = 0; r < NORM_ROWS; r++) rows[r] = (int64_t)(m0 + (r < count ? r : count - 1)) * E;
+        /* Eight squares of each row, transposed so that vector j holds element i + j of every row: added in
+         * j order, each lane's chain stays in index order (the squares are rounded before the shuffles, so
+         * never fused into the adds). */
+        __m256 ss8 = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 8 <= E; i += 8) {
+            __m256 sq[NORM_ROWS];
+            for (int r = 0; r < NORM_ROWS; r++) {
+                const __m256 v = load8(x, rows[r] + i, dt);
+                sq[r] = _mm256_mul_ps(v, v);
+            }
+            transpose8(sq);
+            for (int j = 0; j < 8; j++) ss8 = _mm256_add_ps(ss8, sq[j]);
+        }
+        _mm256_storeu_ps(ss, ss8);
+        for (; i < E; i++)
             for (int r = 0; r < count; r++) {
-                const float v = load1(x, (int64_t)(m0 + r) * E + i, dt);
+                const float v = load1(x, rows[r] + i, dt);
                 float square = v * v;
                 __asm__("" : "+x"(square)); /* rounded, then added: never one fused multiply-add */
                 ss[r] += square;
@@ -266,8 +297,12 @@ void kvg_rms_norm(const void *x, const void *w, void *out, int M, int64_t E, flo
                 const float *xs = (const float *)x + row, *ws = (const float *)w;
                 float *o = (float *)out + row;
                 for (int64_t j = 0; j < E; j++) o[j] = xs[j] * inv * ws[j];
-            } else {
-                for (int64_t j = 0; j < E; j++) store1(out, row + j, load1(x, row + j, dt) * inv * load1(w, j, dt), dt);
+            } else {  /* the same two products, eight at a time */
+                const __m256 inv8 = _mm256_set1_ps(inv);
+                int64_t j = 0;
+                for (; j + 8 <= E; j += 8)
+                    store8(out, row + j, _mm256_mul_ps(_mm256_mul_ps(load8(x, row + j, dt), inv8), load8(w, j, dt)), dt);
+                for (; j < E; j++) store1(out, row + j, load1(x, row + j, dt) * inv * load1(w, j, dt), dt);
             }
         }
     }
