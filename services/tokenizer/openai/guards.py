@@ -3,16 +3,23 @@ larger than ``--max-request-bytes``. Refusals carry OpenAI's error object: 401 a
 
 Both are plain ASGI middleware around the FastAPI app, outside its routing: an unauthenticated request is
 answered before its body is read, and a body is never held whole past the limit (a declared Content-Length over
-it is refused before any of the body is read; a chunked body is counted as it arrives).
+it is refused before any of the body is read; a chunked body is counted as it arrives). Before a 413 the rest of
+the body is read and dropped, up to ``DRAIN_BYTES`` and ``DRAIN_SECONDS``: a client still sending when the server
+closes would otherwise see the connection reset instead of the answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 
 from services.common.auth import ApiKeys
 from services.tokenizer.openai.responses import ErrorInfo, ErrorResponse
+
+# What a refused body may still send, read and dropped so that its client reads the 413 (then the connection closes).
+DRAIN_BYTES = 8 * 2**20
+DRAIN_SECONDS = 2.0
 
 # Reachable without a key: load balancers and probes have none. /metrics too unless --metrics-require-key.
 OPEN_PATHS = ("/health",)
@@ -66,7 +73,9 @@ class LimitBody:
         self.app = app
         self.max_bytes = max_bytes
 
-    async def _refuse(self, send) -> None:
+    async def _refuse(self, receive, send, drain: bool) -> None:
+        if drain:
+            await _drain(receive)
         message = f"the request body is larger than {self.max_bytes} bytes (--max-request-bytes)"
         await send_error(send, 413, message, "request_too_large", ((b"connection", b"close"),))
 
@@ -76,7 +85,7 @@ class LimitBody:
         length = _header(scope, b"content-length")
         if length is not None:  # the server reads no more than this (HTTP/1.1 framing)
             if length.strip().isdigit() and int(length) > self.max_bytes:
-                return await self._refuse(send)
+                return await self._refuse(receive, send, drain=int(length) <= DRAIN_BYTES)
             return await self.app(scope, receive, send)
         # No Content-Length: a chunked body, or none. Read it up to the limit before the app sees any of it.
         chunks, size = [], 0
@@ -86,7 +95,7 @@ class LimitBody:
                 return  # the client went away
             size += len(message.get("body", b""))
             if size > self.max_bytes:
-                return await self._refuse(send)
+                return await self._refuse(receive, send, drain=message.get("more_body", False))
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
@@ -96,3 +105,19 @@ class LimitBody:
             return pending.pop() if pending else await receive()  # then disconnects, as they come
 
         await self.app(scope, replay, send)
+
+
+async def _drain(receive) -> None:
+    """Read and drop the request's remaining body, at most DRAIN_BYTES of it for at most DRAIN_SECONDS."""
+    dropped = 0
+    try:
+        async with asyncio.timeout(DRAIN_SECONDS):
+            while dropped < DRAIN_BYTES:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                dropped += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
+    except TimeoutError:
+        return
