@@ -3,6 +3,8 @@ test_native_path.py)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,14 +45,22 @@ def two_threads(lib):
     lib.kvg_set_num_threads(1)
 
 
+@contextlib.contextmanager
+def forced_linear_path(name: str):
+    """The bfloat16 GEMV forced to path ``name`` (skipped where this CPU lacks it); the widest restored after."""
+    if library.select_linear_path(name) != name:
+        library.select_linear_path(library.LINEAR_PATHS[-1])
+        pytest.skip(f"this CPU has no {name} GEMV")
+    try:
+        yield name
+    finally:
+        library.select_linear_path(library.LINEAR_PATHS[-1])
+
+
 @pytest.fixture(params=library.LINEAR_PATHS)
 def linear_path(lib, request):
-    """The bfloat16 GEMV forced to each path (one this CPU lacks is skipped); the widest restored after."""
-    if library.select_linear_path(request.param) != request.param:
-        library.select_linear_path(library.LINEAR_PATHS[-1])
-        pytest.skip(f"this CPU has no {request.param} GEMV")
-    yield request.param
-    library.select_linear_path(library.LINEAR_PATHS[-1])
+    with forced_linear_path(request.param) as name:
+        yield name
 
 
 @pytest.mark.parametrize("rows,n,k", [(1, 64, 64), (3, 37, 45), (8, 200, 136), (2, 9, 600)])

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from services.worker.cpu_kernels import library, onednn_gemm
 from services.worker.setup.build import create_runner, load_model
-from tests.worker.test_cpu_kernels import TOLERANCE
+from tests.worker.test_cpu_kernels import TOLERANCE, forced_linear_path
 from tests.worker.tiny import drop_packed_gemms, request, run_logits, save_tiny_model
 
 pytestmark = pytest.mark.skipif(not onednn_gemm.available(), reason="this torch build has no oneDNN bfloat16 GEMM")
@@ -70,11 +70,8 @@ def linear_path(request):
     if request.param is None:
         yield library.linear_path()
         return
-    if library.select_linear_path(request.param) != request.param:
-        library.select_linear_path(library.LINEAR_PATHS[-1])
-        pytest.skip(f"this CPU has no {request.param} GEMV")
-    yield request.param
-    library.select_linear_path(library.LINEAR_PATHS[-1])
+    with forced_linear_path(request.param) as name:
+        yield name
 
 
 @pytest.mark.parametrize(
