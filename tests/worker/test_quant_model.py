@@ -26,13 +26,14 @@ def test_int8_decode_steps(tmp_path, monkeypatch, num_requests, gemm_rows):
 
 
 def test_int8_batch_one_takes_prepared_calls(tmp_path, monkeypatch):
-    """Batch 1 calls the kernel with arguments prepared once per weight (NativeCpuPath.packed_gemv):
-    the same logits as the torch path over the same packed weights."""
+    """Batch 1 runs the layers in one native call (NativeCpuPath.layers_program) and the logits through the
+    kernel with arguments prepared once per weight (NativeCpuPath.packed_gemv): the same logits as the torch path
+    over the same packed weights."""
     monkeypatch.setattr(matmul, "INT8_GEMM_ROWS", None)  # the prepared calls read the tiled layout
     calls = {}
     for ours, torch_path, _ in decode_steps(tmp_path, 1, calls):
         torch.testing.assert_close(ours, torch_path, atol=2e-3, rtol=0)
-    assert len(calls) == 2 * 4 + 1  # per layer qkv, o, gate_up, down; the logits
+    assert len(calls) == 1  # the logits'; the layers' products are in the one call's description
 
 
 def decode_steps(tmp_path, num_requests: int, prepared: dict | None = None) -> list[tuple[torch.Tensor, ...]]:
@@ -78,4 +79,5 @@ def decode_steps(tmp_path, num_requests: int, prepared: dict | None = None) -> l
         steps.append((logits[0], torch_path, logits[1]))
     if prepared is not None:
         prepared.update(native._packed_calls)
+        assert native._program is not None
     return steps

@@ -112,6 +112,8 @@ def drop_packed_gemms(model) -> None:
         if getattr(m, "gemm", None) is not None:
             m.gemm = None
     model.logits_gemm = None
+    if model.native_path is not None:
+        model.native_path.forget_plans()
 
 
 def save_tiny_tokenizer(path: str, vocab_size: int = 150) -> str:

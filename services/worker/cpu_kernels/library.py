@@ -34,6 +34,7 @@ from ctypes import c_float, c_int, c_int64, c_void_p
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.worker.cpu_kernels import decode_step
 from services.worker.setup.cache_dir import cache_root
 from services.worker.setup.cpu_features import cpu_flags
 
@@ -71,6 +72,7 @@ _SIGNATURES = {
     "kvg_argmax_rows": (c_void_p, c_int64, c_int, c_int64, c_void_p),
     # x, y, n (the attention's exp, for the tests)
     "kvg_exp": (c_void_p, c_void_p, c_int64),
+    "kvg_decode_layers": decode_step.SIGNATURE,
 }
 _PREFILL_SIGNATURES = {
     "kvp_set_num_threads": (c_int,),

@@ -300,6 +300,8 @@ class LlamaForCausalLM(nn.Module):
         elif logits_source is not None:
             self.logits_gemm = gemm(logits_source)
         self.logits_weight_f32 = None
+        if self.native_path is not None:
+            self.native_path.forget_plans()
         products = "every product" if gemm.min_rows == 1 else f"products of {gemm.min_rows}+ rows"
         return f"{products} on {gemm.weights} weights (+{total / 2**20:.0f} MiB)"
 

@@ -4,7 +4,10 @@ At batch 1 a decode step on a CPU is ~120 matrix-vector products plus ~20 small 
 torch's bfloat16 matrix-vector product falls well short of the memory bandwidth, and each small
 eager op pays torch's dispatch, more than its own math at batch 1;
 ``cpu_kernels/decode_kernels.c`` streams the weights at close to bandwidth and does each small op
-in one call, 9 calls per layer. Norms, rotary embedding and the cache write always run here, and
+in one call, 9 calls per layer. A decode-only step whose products all take native kernels (batch 1
+on packed weights, a few rows on the GEMV) runs all its layers in one call (``kvg_decode_layers``:
+the same kernels in the same order, from C, without the Python between them, a fifth of such a
+step). Norms, rotary embedding and the cache write always run here, and
 so does paged attention over the block tables for decodes, and for prefill chunks too where the
 CPU has AVX-512 (``cpu_kernels/prefill_attention.c``, which reads the context from the blocks in
 place where SDPA needs it gathered first); elsewhere prefill chunks attend through the attention
@@ -29,6 +32,7 @@ import ctypes
 import torch
 
 from services.worker.attention.base import AttentionMetadata
+from services.worker.cpu_kernels import decode_step
 from services.worker.cpu_kernels.library import (
     DTYPE_CODES,
     NativeKernelsUnavailable,
@@ -73,7 +77,8 @@ def _row(t: torch.Tensor, i: int) -> int:
 
 
 class NativeCpuPath:
-    """Holds the model's own modules (no weight copies); valid while the model keeps its parameters."""
+    """Holds the model's own modules (no weight copies); valid while the model keeps its parameters. Which kernel
+    each product takes is decided once per row count: whoever changes the modules' GEMMs calls ``forget_plans``."""
 
     def __init__(self, model, lib: ctypes.CDLL):
         a = model.args
@@ -105,6 +110,8 @@ class NativeCpuPath:
         self._scratch: tuple[torch.Tensor, ...] = ()
         self._spare = torch.empty(0, dtype=self.dtype)
         self._packed_calls: dict[torch.nn.Module, tuple] = {}
+        self._program: tuple[tuple[int, ...], decode_step.StepModel, ctypes.Array] | None = None
+        self._in_one_call: dict[int, bool] = {}  # by rows
 
     def scratch(self, rows: int) -> tuple[torch.Tensor, ...]:
         """Per-step intermediates (normed, qkv, attention out, gate_up, activation): the first ``rows`` rows
@@ -185,6 +192,57 @@ class NativeCpuPath:
         kernel(x.data_ptr(), w, scales, bias, out.data_ptr(), out.stride(0), 1, n, k, fmt, dt, int(accumulate))
         return True
 
+    def forget_plans(self) -> None:
+        """The decisions kept per row count and the layers' description, for a model whose products changed."""
+        self._in_one_call.clear()
+        self._program = None
+
+    def in_one_call(self, rows: int) -> bool:
+        """Whether every product of a decode step of ``rows`` rows takes a kernel that ``kvg_decode_layers`` calls:
+        the native GEMV for float weights, the quantized kernel for one row of tiled packed ones (no GEMM, no AMX
+        tiles, no int8 GEMM: those only Python calls)."""
+        if rows not in self._in_one_call:
+            self._in_one_call[rows] = self._all_native(rows)
+        return self._in_one_call[rows]
+
+    def _all_native(self, rows: int) -> bool:
+        for layer in self.model.layers:
+            for module in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            ):
+                if module.packed is None and not self.takes_gemv(module.gemm, rows):
+                    return False
+                if module.packed is not None and (rows != 1 or not module.packed.tiled):
+                    return False
+        return True
+
+    def layers_program(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> decode_step.StepModel:
+        """The layers' weights, norms and caches as ``kvg_decode_layers`` reads them, built once per set of caches."""
+        key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if self._program is not None and self._program[0] == key:
+            return self._program[1]
+        layers = (decode_step.StepLayer * len(kv_caches))()
+        for step_layer, layer, (k_cache, v_cache) in zip(layers, self.model.layers, kv_caches, strict=True):
+            attention, mlp = layer.self_attn, layer.mlp
+            step_layer.input_norm = layer.input_layernorm.weight.data_ptr()
+            step_layer.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            step_layer.qkv, step_layer.o = _step_linear(attention.qkv_proj), _step_linear(attention.o_proj)
+            step_layer.gate_up, step_layer.down = _step_linear(mlp.gate_up_proj), _step_linear(mlp.down_proj)
+            step_layer.k_cache, step_layer.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            step_layer.window = attention.window
+        packed = self.model.logits_module.packed is not None
+        program = decode_step.StepModel(
+            num_layers=len(kv_caches), heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+            block_size=kv_caches[0][0].shape[1], dt=self.code, hidden=self.hidden, intermediate=self.intermediate,
+            eps=self.eps, scale=self.scale, cos=self.model.cos.data_ptr(), sin=self.model.sin.data_ptr(),
+            quant_linear=decode_step.address(load_quant().kvq_linear) if packed else None, layers=layers,
+        )  # fmt: skip
+        self._program = (key, program, layers)  # the array too: the struct points into it
+        return program
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
@@ -210,6 +268,13 @@ class NativeCpuPath:
         tables, lens, table_width = meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.block_tables.shape[1]
         block_size = kv_caches[0][0].shape[1]
         width = self.qkv_width
+        if backend is None and self.in_one_call(rows):
+            buffers = decode_step.StepBuffers(h, n, q, o, gu, ac)
+            program = self.layers_program(kv_caches)
+            lib.kvg_decode_layers(
+                ctypes.byref(program), ctypes.byref(buffers), rows, pos, slots, tables, table_width, lens
+            )
+            return hidden
         num_decodes = 0  # a mixed step's leading run of decodes
         if backend is not None and self.prefill_lib is not None:
             self.prefill_lib.kvp_set_num_threads(torch.get_num_threads())
@@ -303,6 +368,18 @@ class NativeCpuPath:
         self.lib.kvg_linear(normed.data_ptr(), weight.data_ptr(), None, out.data_ptr(), vocab, rows, vocab,
                             self.hidden, self.code, 0)  # fmt: skip
         return out
+
+
+def _step_linear(module) -> decode_step.StepLinear:
+    """One product as ``kvg_decode_layers`` calls it: a float weight on the GEMV, a packed one on the quantized
+    kernel (tiled: ``in_one_call`` takes no other)."""
+    bias = _ptr(getattr(module, "bias", None))
+    packed = module.packed
+    if packed is None:
+        n, k = module.weight.shape
+        return decode_step.StepLinear(module.weight.data_ptr(), None, bias, n, k, decode_step.FLOAT_WEIGHT)
+    n, k = packed.shape
+    return decode_step.StepLinear(packed.data.data_ptr(), _ptr(packed.scales), bias, n, k, FORMAT_CODES[packed.format])
 
 
 def paged_decode(

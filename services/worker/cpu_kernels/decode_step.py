@@ -1,0 +1,70 @@
+"""The C structs of ``kvg_decode_layers`` (``decode_kernels.c``): a decode-only step's layers in one native call.
+
+A model describes its layers once (weights, norms, caches: addresses that hold while it keeps its parameters and the
+worker its caches) as a ``StepModel``; each step passes its buffers and the step's positions, slots, block tables and
+sequence lengths. The layout here must match the C structs field for field.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, Structure, c_float, c_int, c_int64, c_void_p
+
+FLOAT_WEIGHT = -1  # StepLinear.format of a float weight (kvg_linear); any other is the quantized kernel's format code
+
+
+class StepLinear(Structure):
+    _fields_ = [
+        ("weight", c_void_p),
+        ("scales", c_void_p),
+        ("bias", c_void_p),
+        ("n", c_int64),
+        ("k", c_int64),
+        ("format", c_int),
+    ]
+
+
+class StepLayer(Structure):
+    _fields_ = [
+        ("input_norm", c_void_p),
+        ("post_norm", c_void_p),
+        ("qkv", StepLinear),
+        ("o", StepLinear),
+        ("gate_up", StepLinear),
+        ("down", StepLinear),
+        ("k_cache", c_void_p),
+        ("v_cache", c_void_p),
+        ("window", c_int),
+    ]
+
+
+class StepModel(Structure):
+    _fields_ = [
+        ("num_layers", c_int),
+        ("heads", c_int),
+        ("kv_heads", c_int),
+        ("head_dim", c_int),
+        ("block_size", c_int),
+        ("dt", c_int),
+        ("hidden", c_int64),
+        ("intermediate", c_int64),
+        ("eps", c_float),
+        ("scale", c_float),
+        ("cos", c_void_p),
+        ("sin", c_void_p),
+        ("quant_linear", c_void_p),
+        ("layers", POINTER(StepLayer)),
+    ]
+
+
+class StepBuffers(Structure):
+    _fields_ = [(name, c_void_p) for name in ("hidden", "normed", "qkv", "attn", "gate_up", "act")]
+
+
+# model, buffers, rows, positions, slots, block_tables, ldt, seq_lens
+SIGNATURE = (POINTER(StepModel), POINTER(StepBuffers), c_int, c_void_p, c_void_p, c_void_p, c_int64, c_void_p)
+
+
+def address(function) -> int:
+    """The address of a ctypes library function, for a struct's function pointer."""
+    return ctypes.cast(function, c_void_p).value

@@ -1,0 +1,110 @@
+"""A decode step's layers in one native call (``kvg_decode_layers``) compute what the per-op loop computes, bit for
+bit: the same kernels in the same order, for float weights on the GEMV (both bfloat16 GEMV paths), packed int8 and
+GGUF weights, and sliding-window layers; steps with a product only Python calls (a GEMM) keep the loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.cpu_kernels import library
+from services.worker.quant import matmul
+from services.worker.setup.build import create_runner, load_model
+from tests.worker.test_cpu_kernels import forced_linear_path
+from tests.worker.tiny import drop_packed_gemms, request, run_logits, save_tiny_model
+from tests.worker.tiny_gguf import VOCAB, write_gguf
+
+
+def q4_k_down_q8_0_rest(name: str) -> str:
+    return "q4_k" if name.endswith(".ffn_down.weight") else "q8_0"
+
+
+def float_model(tmp_path, dtype: str, kind: str = "llama", **overrides):
+    loaded = load_model(save_tiny_model(str(tmp_path), kind, **overrides), dtype=dtype, device="cpu")
+    drop_packed_gemms(loaded.model)  # the GEMV up to its rows
+    return loaded
+
+
+def gguf_model(tmp_path):
+    model_dir = str(tmp_path / "hf")
+    save_tiny_model(model_dir, "llama", seed=3, vocab_size=VOCAB, intermediate_size=256)
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(model_dir, path, q4_k_down_q8_0_rest)
+    return load_model(path, dtype="float32", device="cpu", quantization="gguf")
+
+
+def decode_logits(loaded, num_requests: int, one_call: bool, steps: int = 4) -> list[torch.Tensor]:
+    """Logits of ``steps`` decode steps after a prefill, the layers in one call or op by op (same seeds)."""
+    native = loaded.model.native_path
+    assert native is not None
+    num_blocks = 8 * num_requests
+    runner = create_runner(loaded, block_size=4, num_blocks=num_blocks)
+    g = torch.Generator().manual_seed(5)
+    vocab = loaded.args.vocab_size
+    prompts = [torch.randint(0, vocab, (5 + 4 * i,), generator=g).tolist() for i in range(num_requests)]
+    requests = [
+        request(f"r{i}", p, list(range(i, num_blocks, num_requests)), 0, len(p)) for i, p in enumerate(prompts)
+    ]  # interleaved blocks
+    run_logits(runner, requests)
+    native._in_one_call[num_requests] = one_call and native._all_native(num_requests)
+    logits = []
+    for _ in range(steps):
+        for r in requests:
+            r.token_ids.append(int(torch.randint(0, vocab, (1,), generator=g)))
+            r.num_scheduled_tokens = 1
+        with torch.inference_mode():
+            logits.append(runner.compute_logits(runner.prepare(requests)))
+        for r in requests:
+            r.num_computed_tokens += 1
+            r.num_scheduled_tokens = 0
+    return logits
+
+
+def assert_one_call_equals_loop(make_model, num_requests: int) -> None:
+    loaded = make_model()
+    assert loaded.model.native_path.in_one_call(num_requests)
+    ours = decode_logits(loaded, num_requests, one_call=True)
+    assert loaded.model.native_path._program is not None  # the one call was taken
+    loop = decode_logits(make_model(), num_requests, one_call=False)
+    for a, b in zip(ours, loop, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("num_requests", [1, 3])
+def test_float32(tmp_path, num_requests):
+    assert_one_call_equals_loop(lambda: float_model(tmp_path, "float32"), num_requests)
+
+
+@pytest.mark.parametrize("path", library.LINEAR_PATHS)
+@pytest.mark.parametrize("num_requests", [1, 4])
+def test_bfloat16_on_each_gemv_path(tmp_path, path, num_requests):
+    with forced_linear_path(path):
+        assert_one_call_equals_loop(lambda: float_model(tmp_path, "bfloat16"), num_requests)
+
+
+def test_sliding_window_layers(tmp_path):
+    """Mistral's window of 8 under prompts of 5 to 13 tokens and 4 more: the one call passes each layer's window."""
+    make = lambda: float_model(tmp_path, "float32", "mistral", sliding_window=8)  # noqa: E731
+    assert make().model.layers[0].self_attn.window == 8
+    assert_one_call_equals_loop(make, 3)
+
+
+def test_int8_batch_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(matmul, "INT8_GEMM_ROWS", None)  # the native kernel on the tiled layout
+    path = save_tiny_model(str(tmp_path), "llama")
+    assert_one_call_equals_loop(lambda: load_model(path, dtype="float32", device="cpu", quantization="int8"), 1)
+
+
+def test_gguf_batch_one(tmp_path):
+    """Q8_0 and Q4_K blocks through the quantized kernel, called from the native loop by its address."""
+    assert_one_call_equals_loop(lambda: gguf_model(tmp_path), 1)
+
+
+def test_steps_with_a_gemm_keep_the_loop(tmp_path):
+    """Weights packed for a GEMM take it from 2 rows in float32: only Python calls it."""
+    loaded = load_model(save_tiny_model(str(tmp_path), "llama"), dtype="float32", device="cpu")
+    native = loaded.model.native_path
+    assert loaded.model.logits_gemm is not None
+    assert native.in_one_call(1) and not native.in_one_call(2)
+    packed = load_model(str(tmp_path), dtype="float32", device="cpu", quantization="int8")
+    assert not packed.model.native_path.in_one_call(2)  # packed weights: one row only
