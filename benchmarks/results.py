@@ -63,11 +63,17 @@ def git(*args: str) -> str:
     return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
+def dirty() -> bool:
+    """Whether tracked files differ from the commit, result files aside: a run that follows another (``make bench``,
+    or two peer benchmarks back to back) finds the first one's JSON written and still measures the commit."""
+    return bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results"))
+
+
 def run_info() -> dict:
     return {
         "command": command(),
         "commit": git("rev-parse", "--short", "HEAD") or "unknown",
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "dirty": dirty(),
         "utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
             "cpu": cpu_model(),
