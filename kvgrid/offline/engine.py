@@ -15,7 +15,8 @@ from services.scheduler.admission import AdmissionLimits
 from services.scheduler.convert import plan_to_proto
 from services.scheduler.core import SchedulerCore, StepCounters
 from services.scheduler.request import Request
-from services.scheduler.scheduler import RequestOutput, Scheduler
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.step_plan import RequestOutput
 from services.worker.core import WorkerCore
 from services.worker.sampling import prompt_logprobs
 

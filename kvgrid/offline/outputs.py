@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from kvgrid.offline.tool_calls import parsed_calls
 from kvgrid.v1 import common_pb2, generate_pb2, scheduler_pb2
 from services.scheduler.convert import add_output
-from services.scheduler.scheduler import RequestOutput as SampledToken
+from services.scheduler.step_plan import RequestOutput as SampledToken
 from services.tokenizer.frontdoor import EngineRequest
 from services.tokenizer.output import OutputProcessor, merge
 from services.tokenizer.text_tokenizer import TextTokenizer

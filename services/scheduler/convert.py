@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvgrid.v1 import common_pb2, scheduler_pb2, worker_pb2
 from services.scheduler.kv_tiers import TierBlock
 from services.scheduler.request import DEFAULT_MAX_TOKENS, RequestStatus, StopConditions
-from services.scheduler.scheduler import RequestOutput, SchedulerOutput
+from services.scheduler.step_plan import RequestOutput, SchedulerOutput
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: common_pb2.FINISH_REASON_STOP,

@@ -23,7 +23,8 @@ from services.scheduler.kv_tiers import build_tiers
 from services.scheduler.lookahead import Lookahead
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.prompt_logprobs import PromptLogprobsChunk
-from services.scheduler.scheduler import RequestOutput, Scheduler, SchedulerLimits, SchedulerOutput
+from services.scheduler.scheduler import Scheduler, SchedulerLimits
+from services.scheduler.step_plan import RequestOutput, SchedulerOutput
 
 
 @dataclass(slots=True)

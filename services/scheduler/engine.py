@@ -46,7 +46,8 @@ from services.scheduler.kv_events import KvEventLog
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.micro_batches import MicroBatches
 from services.scheduler.request import Request
-from services.scheduler.scheduler import SchedulerOutput, WorkerProtocolError
+from services.scheduler.scheduler import WorkerProtocolError
+from services.scheduler.step_plan import SchedulerOutput
 from services.scheduler.streams import RequestStream
 from services.scheduler.worker_link import WorkerSession, connect
 

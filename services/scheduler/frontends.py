@@ -23,7 +23,7 @@ from services.common.errors import KvgridError
 from services.scheduler.convert import FINISH_REASONS
 from services.scheduler.kv_events import fill_kv_events
 from services.scheduler.request import Request
-from services.scheduler.scheduler import RequestOutput
+from services.scheduler.step_plan import RequestOutput
 
 log = logging.getLogger(__name__)
 

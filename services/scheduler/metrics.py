@@ -10,7 +10,8 @@ from prometheus_client import Counter
 from services.common.metrics import BATCH_TOKEN_BUCKETS, STEP_BUCKETS, TTFT_BUCKETS, ServiceMetrics
 
 if TYPE_CHECKING:
-    from services.scheduler.scheduler import Scheduler, SchedulerOutput
+    from services.scheduler.scheduler import Scheduler
+    from services.scheduler.step_plan import SchedulerOutput
 
 
 class SchedulerMetrics(ServiceMetrics):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from services.scheduler.request import Request
-    from services.scheduler.scheduler import SchedulerOutput
+    from services.scheduler.step_plan import SchedulerOutput
 
 
 class MicroBatches:

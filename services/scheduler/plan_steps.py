@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from services.scheduler.request import Request
 
 if TYPE_CHECKING:
-    from services.scheduler.scheduler import SchedulerOutput
+    from services.scheduler.step_plan import SchedulerOutput
 
 # Auto: plans of decode steps up to this long in all, of at most MAX_PLAN_STEPS steps.
 PLAN_SECONDS = 0.05

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from kvgrid.v1 import common_pb2, scheduler_pb2
 from services.scheduler.convert import add_output
 from services.scheduler.request import Request
-from services.scheduler.scheduler import RequestOutput
+from services.scheduler.step_plan import RequestOutput
 
 _ABORTED = object()
 

@@ -6,7 +6,8 @@ from services.scheduler.block_pool import BlockPool
 from services.scheduler.convert import plan_to_proto, sampled_from_proto
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, StopConditions
-from services.scheduler.scheduler import RequestOutput, Scheduler, SchedulerLimits, SchedulerOutput
+from services.scheduler.scheduler import Scheduler, SchedulerLimits
+from services.scheduler.step_plan import RequestOutput, SchedulerOutput
 from tests.scheduler.fake_worker import FakeModel, FakeWorkerConfig
 
 VOCAB = 1000

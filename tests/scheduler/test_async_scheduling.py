@@ -16,7 +16,8 @@ import pytest
 
 from services.scheduler.convert import plan_to_proto, sampled_from_proto
 from services.scheduler.request import RequestStatus
-from services.scheduler.scheduler import Scheduler, SchedulerOutput
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.step_plan import SchedulerOutput
 from tests.scheduler.core import make_request, make_scheduler
 from tests.scheduler.fake_worker import FakeModel, FakeWorkerConfig, next_token
 from tests.scheduler.test_properties import check_invariants

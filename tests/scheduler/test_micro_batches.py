@@ -13,7 +13,7 @@ import pytest
 
 from services.scheduler.convert import plan_to_proto, sampled_from_proto
 from services.scheduler.micro_batches import MicroBatches
-from services.scheduler.scheduler import SchedulerOutput
+from services.scheduler.step_plan import SchedulerOutput
 from tests.scheduler.core import make_request, make_scheduler
 from tests.scheduler.test_async_scheduling import EOS, Run, reference, workload
 from tests.scheduler.test_properties import check_invariants
