@@ -1,6 +1,7 @@
 """A decode step's layers in one native call (``kvg_decode_layers``) compute what the per-op loop computes, bit for
 bit: the same kernels in the same order, for float weights on the GEMV (both bfloat16 GEMV paths), packed int8 and
-GGUF weights, and sliding-window layers; steps with a product only Python calls (a GEMM) keep the loop."""
+GGUF weights, and sliding-window layers; one-row steps on weights the quantized kernel splits by tiles run as one
+OpenMP team, with the same outputs; steps with a product only Python calls (a GEMM) keep the loop."""
 
 from __future__ import annotations
 
@@ -25,12 +26,25 @@ def float_model(tmp_path, dtype: str, kind: str = "llama", **overrides):
     return loaded
 
 
-def gguf_model(tmp_path):
+def q4_1_attention_q8_0_rest(name: str) -> str:
+    return "q4_1" if ".attn_" in name else "q8_0"
+
+
+def gguf_model(tmp_path, choose=q4_k_down_q8_0_rest):
     model_dir = str(tmp_path / "hf")
     save_tiny_model(model_dir, "llama", seed=3, vocab_size=VOCAB, intermediate_size=256)
     path = str(tmp_path / "tiny.gguf")
-    write_gguf(model_dir, path, q4_k_down_q8_0_rest)
+    write_gguf(model_dir, path, choose)
     return load_model(path, dtype="float32", device="cpu", quantization="gguf")
+
+
+@pytest.fixture
+def two_threads():
+    """The team runs where a step has threads to split it (num_threads > 1), whatever this machine has."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
 
 
 def decode_logits(loaded, num_requests: int, one_call: bool, steps: int = 4) -> list[torch.Tensor]:
@@ -60,11 +74,13 @@ def decode_logits(loaded, num_requests: int, one_call: bool, steps: int = 4) -> 
     return logits
 
 
-def assert_one_call_equals_loop(make_model, num_requests: int) -> None:
+def assert_one_call_equals_loop(make_model, num_requests: int, team: bool = False) -> None:
     loaded = make_model()
     assert loaded.model.native_path.in_one_call(num_requests)
     ours = decode_logits(loaded, num_requests, one_call=True)
-    assert loaded.model.native_path._program is not None  # the one call was taken
+    program = loaded.model.native_path._program
+    assert program is not None  # the one call was taken
+    assert program[1].team == team
     loop = decode_logits(make_model(), num_requests, one_call=False)
     for a, b in zip(ours, loop, strict=True):
         assert torch.equal(a, b)
@@ -89,14 +105,20 @@ def test_sliding_window_layers(tmp_path):
     assert_one_call_equals_loop(make, 3)
 
 
-def test_int8_batch_one(tmp_path, monkeypatch):
+def test_int8_batch_one_as_a_team(tmp_path, monkeypatch, two_threads):
     monkeypatch.setattr(matmul, "INT8_GEMM_ROWS", None)  # the native kernel on the tiled layout
     path = save_tiny_model(str(tmp_path), "llama")
-    assert_one_call_equals_loop(lambda: load_model(path, dtype="float32", device="cpu", quantization="int8"), 1)
+    assert_one_call_equals_loop(lambda: load_model(path, dtype="float32", device="cpu", quantization="int8"), 1, True)
 
 
-def test_gguf_batch_one(tmp_path):
-    """Q8_0 and Q4_K blocks through the quantized kernel, called from the native loop by its address."""
+def test_gguf_q4_1_and_q8_0_batch_one_as_a_team(tmp_path, two_threads):
+    """Q4_1 attention and Q8_0 MLP blocks, each thread a share of every product's tiles."""
+    assert_one_call_equals_loop(lambda: gguf_model(tmp_path, q4_1_attention_q8_0_rest), 1, team=True)
+
+
+def test_gguf_k_quants_batch_one(tmp_path, two_threads):
+    """Q8_0 and Q4_K blocks (the K-quants split their own way: no team) through the quantized kernel, called
+    from the native loop by its address."""
     assert_one_call_equals_loop(lambda: gguf_model(tmp_path), 1)
 
 

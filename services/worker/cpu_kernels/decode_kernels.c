@@ -19,6 +19,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #include "scalar.h"
@@ -812,10 +813,12 @@ int kvg_attention_path(void) {
  */
 static inline int window_start(int seq_len, int window) { return window > 0 && seq_len > window ? seq_len - window : 0; }
 
-void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache,
-                          const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, void *out, int64_t ldo,
-                          int B, int H, int KV, int D, int block_size, float scale, int dt, int window) {
-    if (attention_path < 0) kvg_select_attention_path(ATTENTION_AVX512_BF16);
+/* How a step's sequences split into tasks: chunks of up to chunk tokens, chunks per sequence. */
+typedef struct {
+    int chunk, chunks;
+} AttentionSplit;
+
+static AttentionSplit attention_split(const int32_t *seq_lens, int B, int window) {
     int max_len = 0;  /* tokens read, at most */
     for (int b = 0; b < B; b++) {
         const int len = seq_lens[b] - window_start(seq_lens[b], window);
@@ -828,58 +831,79 @@ void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const
         chunk = ((max_len + per_seq - 1) / per_seq + SPAN - 1) / SPAN * SPAN;
         chunk = chunk < MIN_CHUNK ? MIN_CHUNK : chunk > CHUNK ? CHUNK : chunk;
     }
-    const int chunks = (max_len + chunk - 1) / chunk;
+    return (AttentionSplit){chunk, (max_len + chunk - 1) / chunk};
+}
+
+/* One task: a chunk of one sequence's tokens for all its heads, into its part (max, sum, D values per head).
+   qf: H * D + H * CHUNK floats of scratch. */
+static void attention_task(int task, AttentionSplit split, const void *q, int64_t ldq, const void *k_cache,
+                           const void *v_cache, const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens,
+                           int H, int KV, int D, int block_size, float scale, int dt, int window, float *parts,
+                           float *qf) {
     const int64_t part_size = (int64_t)H * (D + 2);
-    float *parts = malloc(sizeof(float) * B * chunks * part_size);
+    float *scores = qf + (int64_t)H * D;
+    const int b = task / split.chunks, t0 = window_start(seq_lens[b], window) + task % split.chunks * split.chunk;
+    const int t1 = t0 + split.chunk < seq_lens[b] ? t0 + split.chunk : seq_lens[b];
+    float *part = parts + (int64_t)task * part_size;
+    if (t0 >= t1) {  /* past this sequence's end: an empty part */
+        for (int h = 0; h < H; h++) part[h * (D + 2)] = -INFINITY, part[h * (D + 2) + 1] = 0.0f;
+        return;
+    }
+    const int32_t *table = block_tables + b * ldt;
+    if (attention_path == ATTENTION_AVX512_BF16 && dt == BF16 && (D == 64 || D == 128)) {
+        attention_chunk_bf16((const uint16_t *)q + b * ldq, k_cache, v_cache, table, t0, t1, H, KV, D, block_size,
+                             scale, scores, part);
+        return;
+    }
+    to_f32(q, b * ldq, qf, (int64_t)H * D, dt);
+    if (attention_path >= ATTENTION_AVX512 && (D == 64 || D == 128))
+        attention_chunk_avx512(qf, k_cache, v_cache, table, t0, t1, H, KV, D, block_size, scale, scores, part, dt);
+    else if (dt == BF16)
+        attention_chunk(qf, k_cache, v_cache, table, t0, t1, H, KV, D, block_size, scale, scores, part, BF16);
+    else
+        attention_chunk(qf, k_cache, v_cache, table, t0, t1, H, KV, D, block_size, scale, scores, part, F32);
+}
+
+/* The chunks' parts of one (sequence, head) merged into out, rounded once. */
+static void attention_merge(int head, AttentionSplit split, const float *parts, void *out, int64_t ldo, int H, int D,
+                            int dt) {
+    const int64_t part_size = (int64_t)H * (D + 2);
+    const int b = head / H, h = head % H;
+    const float *first = parts + (int64_t)b * split.chunks * part_size + (int64_t)h * (D + 2);
+    float top = -INFINITY, sum = 0.0f;
+    for (int c = 0; c < split.chunks; c++) top = first[c * part_size] > top ? first[c * part_size] : top;
+    float acc[1024];
+    for (int j = 0; j < D; j++) acc[j] = 0.0f;
+    for (int c = 0; c < split.chunks; c++) {
+        const float *part = first + c * part_size;
+        if (part[1] == 0.0f) continue;
+        const float w = exp1(part[0] - top);
+        sum += part[1] * w;
+        for (int j = 0; j < D; j++) acc[j] += part[2 + j] * w;
+    }
+    for (int j = 0; j < D; j++) store1(out, b * ldo + (int64_t)h * D + j, acc[j] / sum, dt);
+}
+
+void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const void *v_cache,
+                          const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens, void *out, int64_t ldo,
+                          int B, int H, int KV, int D, int block_size, float scale, int dt, int window) {
+    if (attention_path < 0) kvg_select_attention_path(ATTENTION_AVX512_BF16);
+    const AttentionSplit split = attention_split(seq_lens, B, window);
+    float *parts = malloc(sizeof(float) * B * split.chunks * H * (D + 2));
 #pragma omp parallel num_threads(num_threads)
     {
-        float *qf = malloc(sizeof(float) * ((int64_t)H * D + (int64_t)H * CHUNK)), *scores = qf + (int64_t)H * D;
+        float *qf = malloc(sizeof(float) * ((int64_t)H * D + (int64_t)H * CHUNK));
 #pragma omp for schedule(dynamic, 1)
-        for (int task = 0; task < B * chunks; task++) {
-            const int b = task / chunks, t0 = window_start(seq_lens[b], window) + task % chunks * chunk;
-            const int t1 = t0 + chunk < seq_lens[b] ? t0 + chunk : seq_lens[b];
-            float *part = parts + (int64_t)task * part_size;
-            if (t0 >= t1) {  /* past this sequence's end: an empty part */
-                for (int h = 0; h < H; h++) part[h * (D + 2)] = -INFINITY, part[h * (D + 2) + 1] = 0.0f;
-                continue;
-            }
-            const int32_t *table = block_tables + b * ldt;
-            if (attention_path == ATTENTION_AVX512_BF16 && dt == BF16 && (D == 64 || D == 128)) {
-                attention_chunk_bf16((const uint16_t *)q + b * ldq, k_cache, v_cache, table, t0, t1, H, KV, D, block_size,
-                                     scale, scores, part);
-                continue;
-            }
-            to_f32(q, b * ldq, qf, (int64_t)H * D, dt);
-            if (attention_path >= ATTENTION_AVX512 && (D == 64 || D == 128))
-                attention_chunk_avx512(qf, k_cache, v_cache, table, t0, t1, H, KV, D, block_size, scale, scores, part, dt);
-            else if (dt == BF16)
-                attention_chunk(qf, k_cache, v_cache, table, t0, t1, H, KV, D, block_size, scale, scores, part, BF16);
-            else
-                attention_chunk(qf, k_cache, v_cache, table, t0, t1, H, KV, D, block_size, scale, scores, part, F32);
-        }
+        for (int task = 0; task < B * split.chunks; task++)
+            attention_task(task, split, q, ldq, k_cache, v_cache, block_tables, ldt, seq_lens, H, KV, D, block_size,
+                           scale, dt, window, parts, qf);
         free(qf);
     }
     /* The merge is D multiply-adds per chunk and head: a team of threads pays off for many heads only. */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)B * H * chunks * D > 65536)
-    for (int head = 0; head < B * H; head++) {
-        const int b = head / H, h = head % H;
-        const float *first = parts + (int64_t)b * chunks * part_size + (int64_t)h * (D + 2);
-        float top = -INFINITY, sum = 0.0f;
-        for (int c = 0; c < chunks; c++) top = first[c * part_size] > top ? first[c * part_size] : top;
-        float acc[1024];
-        for (int j = 0; j < D; j++) acc[j] = 0.0f;
-        for (int c = 0; c < chunks; c++) {
-            const float *part = first + c * part_size;
-            if (part[1] == 0.0f) continue;
-            const float w = exp1(part[0] - top);
-            sum += part[1] * w;
-            for (int j = 0; j < D; j++) acc[j] += part[2 + j] * w;
-        }
-        for (int j = 0; j < D; j++) store1(out, b * ldo + (int64_t)h * D + j, acc[j] / sum, dt);
-    }
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)B * H * split.chunks * D > 65536)
+    for (int head = 0; head < B * H; head++) attention_merge(head, split, parts, out, ldo, H, D, dt);
     free(parts);
 }
-
 
 /* ---- a whole decode step's layers ------------------------------------------------------- */
 
@@ -893,6 +917,9 @@ void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const
  */
 typedef void (*QuantLinear)(const void *x, const void *w, const float *scales, const void *bias, void *y,
                             int64_t ldy, int M, int64_t N, int64_t K, int fmt, int dt, int accumulate);
+/* kvq_linear_tiles: tiles [t0, t1) of a one-row product, then the first lines of next asked for */
+typedef void (*QuantTiles)(const void *x, const void *w, const float *scales, const void *bias, void *y, int64_t N,
+                           int64_t K, int fmt, int dt, int accumulate, int64_t t0, int64_t t1, const void *next);
 
 typedef struct {
     const void *weight; /* [N, K] of the model dtype, or the quantized kernel's tiles */
@@ -900,6 +927,7 @@ typedef struct {
     const void *bias;
     int64_t n, k;
     int format;
+    int64_t tile_bytes; /* a quantized weight's bytes per tile of QUANT_TILE rows (its tiled layout) */
 } StepLinear;
 
 typedef struct {
@@ -915,6 +943,8 @@ typedef struct {
     float eps, scale;
     const void *cos, *sin;
     QuantLinear quant_linear;
+    QuantTiles quant_tiles;
+    int team; /* every product quantized in a format quant_tiles takes: one-row steps run as one team */
     const StepLayer *layers;
 } StepModel;
 
@@ -930,8 +960,102 @@ static void step_linear(const StepModel *m, const StepLinear *l, const void *x, 
         m->quant_linear(x, l->weight, l->scales, l->bias, y, ldy, rows, l->n, l->k, l->format, m->dt, accumulate);
 }
 
+/*
+ * One row on quantized weights, the whole step in one OpenMP team: each thread takes a fixed share of
+ * every product's tiles and streams its shares one after another, asking for the start of its next
+ * share as it ends one (and during the small ops between, which one thread does at one row while the
+ * others ask for their next share). A team per kernel call instead starts and joins ~9 times a layer,
+ * each product's stream starting cold: on a small model's small products (576 x 576), a few
+ * microseconds each, a tenth of a step. The outputs are the per-call loop's: each tile's sums and
+ * every small op are computed as there, only by other threads.
+ */
+#define QUANT_TILE 8 /* rows per tile of the quantized layout (quant_kernels.c TILE) */
+#define TEAM_PREFETCH 16384 /* bytes of its next share a thread asks for while another does a small op */
+
+static void share_of(const StepLinear *l, int part, int parts, int64_t *t0, int64_t *t1) {
+    const int64_t tiles = (l->n + QUANT_TILE - 1) / QUANT_TILE;
+    *t0 = tiles * part / parts, *t1 = tiles * (part + 1) / parts;
+}
+
+static const void *share_start(const StepLinear *l, int part, int parts) {
+    int64_t t0, t1;
+    share_of(l, part, parts, &t0, &t1);
+    return t0 < t1 ? (const char *)l->weight + t0 * l->tile_bytes : NULL;
+}
+
+static void team_linear(const StepModel *m, const StepLinear *l, const StepLinear *next, const void *x, void *y,
+                        int accumulate, int part, int parts) {
+    int64_t t0, t1;
+    share_of(l, part, parts, &t0, &t1);
+    if (t0 < t1)
+        m->quant_tiles(x, l->weight, l->scales, l->bias, y, l->n, l->k, l->format, m->dt, accumulate, t0, t1,
+                       next ? share_start(next, part, parts) : NULL);
+#pragma omp barrier
+}
+
+/* Threads other than the one doing a small op ask for more of their next share meanwhile. */
+static void prefetch_share(const StepLinear *l, int part, int parts) {
+    const char *p = share_start(l, part, parts);
+    if (!p) return;
+    int64_t t0, t1;
+    share_of(l, part, parts, &t0, &t1);
+    const int64_t bytes = (t1 - t0) * l->tile_bytes < TEAM_PREFETCH ? (t1 - t0) * l->tile_bytes : TEAM_PREFETCH;
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+}
+
+static void decode_layers_team(const StepModel *m, const StepBuffers *b, const int64_t *positions,
+                               const int64_t *slots, const int32_t *block_tables, int64_t ldt,
+                               const int32_t *seq_lens) {
+    const int H = m->heads, KV = m->kv_heads, D = m->head_dim, dt = m->dt;
+    const int64_t E = m->hidden, width = (int64_t)(H + 2 * KV) * D;
+    if (attention_path < 0) kvg_select_attention_path(ATTENTION_AVX512_BF16);
+    const int most_chunks = (seq_lens[0] + MIN_CHUNK - 1) / MIN_CHUNK; /* at any layer's window */
+    float *parts = malloc(sizeof(float) * most_chunks * H * (D + 2));
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int part = omp_get_thread_num(), parts_n = omp_get_num_threads();
+        float *qf = malloc(sizeof(float) * ((int64_t)H * D + (int64_t)H * CHUNK));
+        for (int i = 0; i < m->num_layers; i++) {
+            const StepLayer *layer = m->layers + i, *next = i + 1 < m->num_layers ? layer + 1 : NULL;
+            if (part == 0)
+                kvg_rms_norm(b->hidden, layer->input_norm, b->normed, 1, E, m->eps, dt);
+            else
+                prefetch_share(&layer->qkv, part, parts_n);
+#pragma omp barrier
+            team_linear(m, &layer->qkv, &layer->o, b->normed, b->qkv, 0, part, parts_n);
+            if (part == 0)
+                kvg_rope_write_kv(b->qkv, width, m->cos, m->sin, positions, slots, layer->k_cache, layer->v_cache, 1,
+                                  H, KV, D, dt);
+#pragma omp barrier
+            const AttentionSplit split = attention_split(seq_lens, 1, layer->window);
+#pragma omp for schedule(dynamic, 1)
+            for (int task = 0; task < split.chunks; task++)
+                attention_task(task, split, b->qkv, width, layer->k_cache, layer->v_cache, block_tables, ldt,
+                               seq_lens, H, KV, D, m->block_size, m->scale, dt, layer->window, parts, qf);
+            if (part == 0)
+                for (int head = 0; head < H; head++) attention_merge(head, split, parts, b->attn, (int64_t)H * D, H, D, dt);
+#pragma omp barrier
+            team_linear(m, &layer->o, &layer->gate_up, b->attn, b->hidden, 1, part, parts_n);
+            if (part == 0)
+                kvg_rms_norm(b->hidden, layer->post_norm, b->normed, 1, E, m->eps, dt);
+#pragma omp barrier
+            team_linear(m, &layer->gate_up, &layer->down, b->normed, b->gate_up, 0, part, parts_n);
+            if (part == 0)
+                kvg_silu_mul(b->gate_up, b->act, 1, m->intermediate, dt);
+#pragma omp barrier
+            team_linear(m, &layer->down, next ? &next->qkv : NULL, b->act, b->hidden, 1, part, parts_n);
+        }
+        free(qf);
+    }
+    free(parts);
+}
+
 void kvg_decode_layers(const StepModel *m, const StepBuffers *b, int rows, const int64_t *positions,
                        const int64_t *slots, const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens) {
+    if (m->team && rows == 1 && num_threads > 1) {
+        decode_layers_team(m, b, positions, slots, block_tables, ldt, seq_lens);
+        return;
+    }
     const int H = m->heads, KV = m->kv_heads, D = m->head_dim;
     const int64_t E = m->hidden, width = (int64_t)(H + 2 * KV) * D;
     for (int i = 0; i < m->num_layers; i++) {

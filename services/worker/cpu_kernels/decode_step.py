@@ -21,6 +21,7 @@ class StepLinear(Structure):
         ("n", c_int64),
         ("k", c_int64),
         ("format", c_int),
+        ("tile_bytes", c_int64),
     ]
 
 
@@ -53,6 +54,8 @@ class StepModel(Structure):
         ("cos", c_void_p),
         ("sin", c_void_p),
         ("quant_linear", c_void_p),
+        ("quant_tiles", c_void_p),
+        ("team", c_int),
         ("layers", POINTER(StepLayer)),
     ]
 

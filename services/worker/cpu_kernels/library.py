@@ -97,6 +97,11 @@ _QUANT_SIGNATURES = {
     # x, w (bfloat16 tiles), bias, y, ldy, M, N, K, dtype, accumulate -> 1, or 0 without AMX (amx_bf16.h)
     "kvq_amx_linear": (c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int64, c_int64, c_int, c_int),
     "kvq_amx_available": (),
+    # x, w, scales, bias, y, N, K, format, dtype, accumulate, first tile, end tile, next (see kvg_decode_layers)
+    "kvq_linear_tiles": (
+        (c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int, c_int, c_int, c_int64, c_int64)
+        + (c_void_p,)
+    ),
     # acc, M, N, row_scale, col_scale, bias, y, ldy, dtype, accumulate
     "kvq_scale_int32": (c_void_p, c_int, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int),
 }
@@ -230,6 +235,7 @@ def load_quant() -> ctypes.CDLL:
     lib.kvq_select_path.argtypes, lib.kvq_select_path.restype = (c_int,), c_int
     lib.kvq_select_path(len(QUANT_PATHS) - 1)
     lib.kvq_amx_linear.restype = lib.kvq_amx_available.restype = c_int
+    lib.kvq_takes_tiles.argtypes, lib.kvq_takes_tiles.restype = (c_int,), c_int
     return lib
 
 

@@ -474,6 +474,46 @@ void kvq_linear(const void *x, const void *w, const float *scales, const void *b
         linear_scalar(&xr, w, scales, bias, y, ldy, M, N, fmt, dt, accumulate);
 }
 
+/*
+ * One caller's share of a one-row product, for a team that splits a step's products itself
+ * (decode_kernels.c: kvg_decode_layers): tiles [t0, t1) of y = x W^T + bias, with no OpenMP of its
+ * own; x is quantized into the caller's own scratch (a few hundred bytes at one row). Then the first
+ * lines of next (this caller's share of the step's next product) are asked for, so that its stream
+ * does not start cold after the small ops between. kvq_takes_tiles says which formats it takes
+ * (those of linear_simd, on this CPU).
+ */
+int kvq_takes_tiles(int fmt) {
+    if (path < 0) kvq_select_path(PATH_VNNI);
+#ifdef HAVE_X86
+    return fmt < Q4_K && path > PATH_SCALAR;
+#else
+    (void)fmt;
+    return 0;
+#endif
+}
+
+void kvq_linear_tiles(const void *x, const void *w, const float *scales, const void *bias, void *y, int64_t N,
+                      int64_t K, int fmt, int dt, int accumulate, int64_t t0, int64_t t1, const void *next) {
+#ifdef HAVE_X86
+    const QRows xr = quantize_rows(x, 1, K, dt, fmt);
+    const int64_t nb = xr.nb;
+    for (int64_t t = t0; t < t1; t++) {
+        const uint8_t *tile = (const uint8_t *)w + t * nb * record_bytes(fmt);
+        const int rows = N - t * TILE < TILE ? (int)(N - t * TILE) : TILE;
+        float out[TILE];
+        if (xr.wide)
+            tile_any_vnni(fmt, tile, nb, xr.wide, xr.d, xr.ds, PREFETCH_AHEAD, out);
+        else
+            tile_any(fmt, tile, nb, xr.q, xr.d, xr.ds, PREFETCH_AHEAD, out);
+        for (int r = 0; r < rows; r++) put(y, 0, 0, t * TILE + r, out[r], fmt, scales, bias, dt, accumulate);
+    }
+    if (next) prefetch_record(next, PREFETCH_AHEAD);
+#else
+    (void)x, (void)w, (void)scales, (void)bias, (void)y, (void)N, (void)K, (void)fmt, (void)dt, (void)accumulate;
+    (void)t0, (void)t1, (void)next;
+#endif
+}
+
 /* out[i, :] = row index[i] of W as float32 (an embedding lookup, or a whole matrix for a GEMM). */
 void kvq_dequantize_rows(const void *w, const float *scales, const int64_t *index, int64_t count, int64_t K, int fmt,
                          float *out) {

@@ -7,7 +7,9 @@ eager op pays torch's dispatch, more than its own math at batch 1;
 in one call, 9 calls per layer. A decode-only step whose products all take native kernels (batch 1
 on packed weights, a few rows on the GEMV) runs all its layers in one call (``kvg_decode_layers``:
 the same kernels in the same order, from C, without the Python between them, a fifth of such a
-step). Norms, rotary embedding and the cache write always run here, and
+step); at one row on weights in the quantized kernel's tiled formats that call runs the whole step as
+one OpenMP team, each thread streaming its share of every product (a seventh faster again). Norms,
+rotary embedding and the cache write always run here, and
 so does paged attention over the block tables for decodes, and for prefill chunks too where the
 CPU has AVX-512 (``cpu_kernels/prefill_attention.c``, which reads the context from the blocks in
 place where SDPA needs it gathered first); elsewhere prefill chunks attend through the attention
@@ -40,7 +42,7 @@ from services.worker.cpu_kernels.library import (
     load_prefill,
     load_quant,
 )
-from services.worker.quant.formats import FORMAT_CODES
+from services.worker.quant.formats import FORMAT_CODES, TILE
 from services.worker.quant.matmul import DEQUANTIZE_ROWS, linear_into, packed_linear
 from services.worker.setup.cpu_features import detect as detect_cpu
 
@@ -233,12 +235,17 @@ class NativeCpuPath:
             step_layer.gate_up, step_layer.down = _step_linear(mlp.gate_up_proj), _step_linear(mlp.down_proj)
             step_layer.k_cache, step_layer.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             step_layer.window = attention.window
-        packed = self.model.logits_module.packed is not None
+        formats = [linear.format for layer in layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        packed = any(f != decode_step.FLOAT_WEIGHT for f in formats)
+        quant = load_quant() if packed else None
+        team = packed and all(f != decode_step.FLOAT_WEIGHT and quant.kvq_takes_tiles(f) for f in formats)
         program = decode_step.StepModel(
             num_layers=len(kv_caches), heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
             block_size=kv_caches[0][0].shape[1], dt=self.code, hidden=self.hidden, intermediate=self.intermediate,
             eps=self.eps, scale=self.scale, cos=self.model.cos.data_ptr(), sin=self.model.sin.data_ptr(),
-            quant_linear=decode_step.address(load_quant().kvq_linear) if packed else None, layers=layers,
+            quant_linear=decode_step.address(quant.kvq_linear) if packed else None,
+            quant_tiles=decode_step.address(quant.kvq_linear_tiles) if packed else None,
+            team=int(team), layers=layers,
         )  # fmt: skip
         self._program = (key, program, layers)  # the array too: the struct points into it
         return program
@@ -379,7 +386,20 @@ def _step_linear(module) -> decode_step.StepLinear:
         n, k = module.weight.shape
         return decode_step.StepLinear(module.weight.data_ptr(), None, bias, n, k, decode_step.FLOAT_WEIGHT)
     n, k = packed.shape
-    return decode_step.StepLinear(packed.data.data_ptr(), _ptr(packed.scales), bias, n, k, FORMAT_CODES[packed.format])
+    tiles = -(-n // TILE)
+    if packed.data.nbytes % tiles:
+        raise ValueError(
+            f"a tiled {packed.format} weight of {n} rows holds {packed.data.nbytes} bytes, not whole tiles"
+        )
+    return decode_step.StepLinear(
+        packed.data.data_ptr(),
+        _ptr(packed.scales),
+        bias,
+        n,
+        k,
+        FORMAT_CODES[packed.format],
+        packed.data.nbytes // tiles,
+    )
 
 
 def paged_decode(
