@@ -963,8 +963,8 @@ static void step_linear(const StepModel *m, const StepLinear *l, const void *x, 
 /*
  * One row on quantized weights, the whole step in one OpenMP team: each thread takes a fixed share of
  * every product's tiles and streams its shares one after another, asking for the start of its next
- * share as it ends one (and during the small ops between, which one thread does at one row while the
- * others ask for their next share). A team per kernel call instead starts and joins ~9 times a layer,
+ * share as it ends one (one thread does the small ops between; during the input norm the others ask
+ * for more of their qkv share). A team per kernel call instead starts and joins ~9 times a layer,
  * each product's stream starting cold: on a small model's small products (576 x 576), a few
  * microseconds each, a tenth of a step. The outputs are the per-call loop's: each tile's sums and
  * every small op are computed as there, only by other threads.
@@ -993,13 +993,13 @@ static void team_linear(const StepModel *m, const StepLinear *l, const StepLinea
 #pragma omp barrier
 }
 
-/* Threads other than the one doing a small op ask for more of their next share meanwhile. */
+/* While one thread does a layer's input norm, the others ask for more of their qkv share than the previous
+   product's end asked for. */
 static void prefetch_share(const StepLinear *l, int part, int parts) {
-    const char *p = share_start(l, part, parts);
-    if (!p) return;
     int64_t t0, t1;
     share_of(l, part, parts, &t0, &t1);
-    const int64_t bytes = (t1 - t0) * l->tile_bytes < TEAM_PREFETCH ? (t1 - t0) * l->tile_bytes : TEAM_PREFETCH;
+    const char *p = (const char *)l->weight + t0 * l->tile_bytes;
+    const int64_t share = (t1 - t0) * l->tile_bytes, bytes = share < TEAM_PREFETCH ? share : TEAM_PREFETCH;
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
 }
 

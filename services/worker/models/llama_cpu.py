@@ -208,17 +208,11 @@ class NativeCpuPath:
         return self._in_one_call[rows]
 
     def _all_native(self, rows: int) -> bool:
-        for layer in self.model.layers:
-            for module in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            ):
-                if module.packed is None and not self.takes_gemv(module.gemm, rows):
-                    return False
-                if module.packed is not None and (rows != 1 or not module.packed.tiled):
-                    return False
+        for module in (m for layer in self.model.layers for m in _products(layer)):
+            if module.packed is None and not self.takes_gemv(module.gemm, rows):
+                return False
+            if module.packed is not None and (rows != 1 or not module.packed.tiled):
+                return False
         return True
 
     def layers_program(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> decode_step.StepModel:
@@ -228,13 +222,11 @@ class NativeCpuPath:
             return self._program[1]
         layers = (decode_step.StepLayer * len(kv_caches))()
         for step_layer, layer, (k_cache, v_cache) in zip(layers, self.model.layers, kv_caches, strict=True):
-            attention, mlp = layer.self_attn, layer.mlp
             step_layer.input_norm = layer.input_layernorm.weight.data_ptr()
             step_layer.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            step_layer.qkv, step_layer.o = _step_linear(attention.qkv_proj), _step_linear(attention.o_proj)
-            step_layer.gate_up, step_layer.down = _step_linear(mlp.gate_up_proj), _step_linear(mlp.down_proj)
+            step_layer.qkv, step_layer.o, step_layer.gate_up, step_layer.down = map(_step_linear, _products(layer))
             step_layer.k_cache, step_layer.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-            step_layer.window = attention.window
+            step_layer.window = layer.self_attn.window
         formats = [linear.format for layer in layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         packed = any(f != decode_step.FLOAT_WEIGHT for f in formats)
         quant = load_quant() if packed else None
@@ -375,6 +367,11 @@ class NativeCpuPath:
         self.lib.kvg_linear(normed.data_ptr(), weight.data_ptr(), None, out.data_ptr(), vocab, rows, vocab,
                             self.hidden, self.code, 0)  # fmt: skip
         return out
+
+
+def _products(layer) -> tuple:
+    """A layer's four products, in step order: qkv, o, gate_up, down."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
 def _step_linear(module) -> decode_step.StepLinear:
