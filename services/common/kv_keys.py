@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from services.common.block_hash import mm_block_keys
 
 # Bump when the byte layout of a stored block changes: old values then never match.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 KEY_PREFIX = "kvgrid:kv:"
 
 

@@ -225,6 +225,7 @@ def build_kv_transfer(
 
         k0 = runner.kv_caches[0][0]
         redis_tier = RedisTier(client, ns, block_shape(runner.kv_caches), k0.dtype, on_failure)
+        redis_tier.start_prefault(-(-handshake.max_model_len // handshake.block_size))  # a full-length prompt's
         log.info("redis KV tier: %s", config.cache.kv_redis_url)
     handshake.kv_tiers.extend(names)
     return KvTransfer(runner.kv_caches, runner.block_size, host, redis_tier, metrics)

@@ -37,7 +37,7 @@ def test_a_prefetch_touches_no_block_before_its_step_and_runs_after_the_saves_be
     plan2 = worker_pb2.StepPlan(step_id=2, new_requests=[new])
     fetches = transfer.prefetch(plan2)
     assert set(fetches) == {"r"}
-    assert len(fetches["r"].result(timeout=30)) == 10
+    assert len(fetches["r"].result(timeout=30).blocks) == 10
     assert all(torch.equal(a, b) for a, b in zip(snapshot(caches), before, strict=True))  # fetched, not copied
 
     evict = [worker_pb2.KvTierBlock(block_id=b, host_slot=i) for i, b in enumerate(targets)]
@@ -76,7 +76,7 @@ def test_host_loads_are_not_fetched_and_a_plan_without_loads_fetches_nothing(red
     transfer = filled_redis(redis_server, caches, ["kvgrid:kv:a", "kvgrid:kv:b"], host_slots=4)
     mixed = load_plan([20, 21, 22], host_slots=[0], redis_keys=["kvgrid:kv:a", "kvgrid:kv:b"])
     fetches = transfer.prefetch(worker_pb2.StepPlan(step_id=1, new_requests=[mixed]))
-    assert [len(b) for b in (fetches["r"].result(timeout=30),)] == [2]  # a and b, not the host slot
+    assert len(fetches["r"].result(timeout=30).blocks) == 2  # a and b, not the host slot
     assert transfer.prefetch(worker_pb2.StepPlan(step_id=2, new_requests=[load_plan([])])) == {}
     host_only = KvTransfer(caches, BLOCK_SIZE, host=HostTier(caches, 4))
     assert host_only.prefetch(worker_pb2.StepPlan(step_id=3, new_requests=[mixed])) == {}

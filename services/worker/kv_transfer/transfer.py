@@ -22,14 +22,14 @@ from kvgrid.v1 import worker_pb2
 from services.common.errors import InvalidArgument
 from services.worker.kv_transfer.blocks import CacheBlocks, KvCaches
 from services.worker.kv_transfer.host import HostTier
-from services.worker.kv_transfer.redis_tier import RedisTier
+from services.worker.kv_transfer.redis_tier import Loaded, RedisTier
 from services.worker.metrics import WorkerMetrics
 from services.worker.request_state import RequestState
 
 log = logging.getLogger(__name__)
 
 # Redis blocks being fetched ahead for a plan, by request id (``KvTransfer.prefetch``).
-Fetches = dict[str, Future[list[torch.Tensor]]]
+Fetches = dict[str, Future[Loaded]]
 
 
 class KvTransfer:
@@ -139,10 +139,12 @@ class KvTransfer:
         if remote:
             started = time.perf_counter()  # with a prefetch: only the wait for what is left of it, and the copies
             keys = [load.redis_key for load in remote]
-            blocks = fetched.result() if fetched is not None else self.redis.load(keys)  # check: a redis tier
-            self.cache.write_each([load.block_id for load in remote[: len(blocks)]], blocks, self.redis.map)
-            self._observe("redis", len(blocks), time.perf_counter() - started)
-            num_loaded += len(blocks)
+            loaded = fetched.result() if fetched is not None else self.redis.load(keys)  # check: a redis tier
+            num_blocks = len(loaded.blocks)
+            self.cache.write_each([load.block_id for load in remote[:num_blocks]], loaded.blocks, self.redis.map)
+            self.redis.release(loaded)
+            self._observe("redis", num_blocks, time.perf_counter() - started)
+            num_loaded += num_blocks
         if num_loaded == len(loads):
             return 0
         resume = (first + num_loaded) * bs
