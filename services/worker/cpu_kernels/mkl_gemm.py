@@ -53,6 +53,7 @@ class PackedGemm:
     weights = "MKL's packed float32"  # for the log
     dtype = torch.float32  # of the weight, the input and the product
     min_rows = 2  # one row reads the weight once either way: the native GEMV or torch's own
+    writes_into = True  # computes straight into a given output (rows may be strided)
 
     def __init__(self, weight: torch.Tensor):
         lib = _mkl()

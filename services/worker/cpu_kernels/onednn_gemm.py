@@ -41,6 +41,7 @@ class OnednnGemm:
     weights = "oneDNN's reordered bfloat16"  # for the log
     dtype = torch.bfloat16  # of the weight, the input and the product
     min_rows = 1  # at least as fast as the native GEMV at one row too (see above)
+    writes_into = False  # returns its own output tensor: into() copies it
 
     def __init__(self, weight: torch.Tensor):
         if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":

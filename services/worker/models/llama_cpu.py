@@ -110,7 +110,6 @@ class NativeCpuPath:
         self.eps = a.rms_norm_eps
         self.scale = a.head_dim**-0.5
         self._scratch: tuple[torch.Tensor, ...] = ()
-        self._spare = torch.empty(0, dtype=self.dtype)
         self._packed_calls: dict[torch.nn.Module, tuple] = {}
         self._program: tuple[tuple[int, ...], decode_step.StepModel, ctypes.Array] | None = None
         self._in_one_call: dict[int, bool] = {}  # by rows
@@ -122,12 +121,6 @@ class NativeCpuPath:
             shapes = (self.hidden, self.qkv_width, self.heads * self.head_dim, 2 * self.intermediate, self.intermediate)
             self._scratch = tuple(torch.empty(rows, n, dtype=self.dtype) for n in shapes)
         return tuple(buffer[:rows] for buffer in self._scratch)
-
-    def spare(self, rows: int, width: int) -> torch.Tensor:
-        """A [rows, width] buffer for a product on its way into the residual stream (kept at the largest size)."""
-        if self._spare.numel() < rows * width:
-            self._spare = torch.empty(rows * width, dtype=self.dtype)
-        return self._spare[: rows * width].view(rows, width)
 
     def matmul_path(self) -> str:
         """Which kernels the matmuls take by row count, for the log."""
@@ -150,31 +143,35 @@ class NativeCpuPath:
             return rows <= self.native_rows
         return rows < gemm.min_rows or (rows <= self.pair_rows and gemm.dtype == torch.bfloat16)
 
-    def linear(self, module, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
-        """out (+)= module(x), out's rows possibly strided: the kernel for this row count and weight."""
+    def linear(self, module, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+        """out (+)= module(x), out's rows possibly strided: the kernel for this row count and weight. Returns the
+        tensor holding the product: ``out``, or, not accumulating, a GEMM's own output where the GEMM returns one
+        (oneDNN's: copying it into ``out`` cost as much as a small product, ~6 ms of a 64-row bfloat16 step)."""
         rows = x.shape[0]
         if module.packed is not None and rows < DEQUANTIZE_ROWS:
             if rows == 1 and self.packed_gemv(module, x, out, accumulate):
-                return
+                return out
             linear_into(x, module.packed, module.bias, out, accumulate)
-            return
+            return out
         if module.packed is None and self.takes_gemv(module.gemm, rows):
             n, k = module.weight.shape
             self.lib.kvg_linear(
                 x.data_ptr(), module.weight.data_ptr(), _ptr(module.bias), out.data_ptr(), out.stride(0), rows, n, k,
                 self.code, int(accumulate),
             )  # fmt: skip
-            return
-        if module.gemm is not None and out.dtype == module.gemm.dtype:  # a GEMM on the weight packed at load
-            # Accumulating, the product is rounded before the add (as torch's path): MKL's own
-            # accumulation into out would round differently from torch's path.
-            product = self.spare(rows, module.gemm.n) if accumulate else out
-            module.gemm.into(x, product, module.bias)
-            if accumulate:
-                out.add_(product)
-            return
+            return out
+        gemm = module.gemm
+        if gemm is not None and out.dtype == gemm.dtype:  # a GEMM on the weight packed at load
+            if accumulate:  # rounded, then added, as torch's path (MKL's own accumulation would round differently)
+                out.add_(gemm(x, module.bias))
+            elif gemm.writes_into:
+                gemm.into(x, out, module.bias)
+            else:
+                return gemm(x, module.bias)
+            return out
         product = module.forward(x)  # a GEMM: torch's (bf16 weights upcast, packed ones dequantized per call)
         out.add_(product) if accumulate else out.copy_(product)
+        return out
 
     def packed_gemv(self, module, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> bool:
         """One row through the quantized linear with the call's constant arguments prepared once per
@@ -260,8 +257,8 @@ class NativeCpuPath:
             load_quant().kvq_set_num_threads(torch.get_num_threads())
         E, I, H, KV, D = self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim
         hidden = self.model.embed_tokens.forward(input_ids)  # the residual stream
-        normed, qkv, attn, gate_up, act = self.scratch(rows)
-        h, n, q, o, gu, ac = (t.data_ptr() for t in (hidden, normed, qkv, attn, gate_up, act))
+        normed, qkv_buffer, attn, gate_up_buffer, act = self.scratch(rows)
+        h, n, q, o, gu, ac = (t.data_ptr() for t in (hidden, normed, qkv_buffer, attn, gate_up_buffer, act))
         cos, sin = self.model.cos.data_ptr(), self.model.sin.data_ptr()
         pos, slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
         tables, lens, table_width = meta.block_tables.data_ptr(), meta.seq_lens.data_ptr(), meta.block_tables.shape[1]
@@ -282,7 +279,8 @@ class NativeCpuPath:
             attention, mlp = layer.self_attn, layer.mlp
             kc, vc = k_cache.data_ptr(), v_cache.data_ptr()
             lib.kvg_rms_norm(h, layer.input_layernorm.weight.data_ptr(), n, rows, E, self.eps, dt)
-            self.linear(attention.qkv_proj, normed, qkv)
+            qkv = self.linear(attention.qkv_proj, normed, qkv_buffer)  # [rows, width], contiguous either way
+            q = qkv.data_ptr()
             lib.kvg_rope_write_kv(q, width, cos, sin, pos, slots, kc, vc, rows, H, KV, D, dt)
             if backend is None:
                 lib.kvg_decode_attention(
@@ -299,8 +297,8 @@ class NativeCpuPath:
                 out = out.reshape(rows, H * D)
             self.linear(attention.o_proj, out, hidden, accumulate=True)
             lib.kvg_rms_norm(h, layer.post_attention_layernorm.weight.data_ptr(), n, rows, E, self.eps, dt)
-            self.linear(mlp.gate_up_proj, normed, gate_up)
-            lib.kvg_silu_mul(gu, ac, rows, I, dt)
+            gate_up = self.linear(mlp.gate_up_proj, normed, gate_up_buffer)
+            lib.kvg_silu_mul(gate_up.data_ptr(), ac, rows, I, dt)
             self.linear(mlp.down_proj, act, hidden, accumulate=True)
         return hidden
 
