@@ -91,7 +91,7 @@ def test_prefill_and_mixed_steps_equal_torch_path(tmp_path, dtype, prefill_atten
     if prefill_attention == "sdpa":
         native.prefill_lib = None
     else:
-        assert native.prefill_lib is not None and native.prefill_path == "native (AVX-512)"
+        assert native.prefill_lib is not None and native.prefill_path.startswith("native (AVX-512")
     runner = create_runner(loaded, block_size=4, num_blocks=60)
     g = torch.Generator().manual_seed(13)
     lengths = [5, 8, 11, 30, 14]

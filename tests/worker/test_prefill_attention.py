@@ -82,6 +82,43 @@ def test_matches_float64_attention(lib, dtype, H, KV, D, block_size):
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.fixture
+def paths(lib):
+    """The paths this CPU runs for bfloat16 caches: float32 FMAs, and AMX tiles where it has them; each test
+    leaves the fastest in use."""
+    available = ["float32"] + (["amx"] if lib.kvp_select_path(1) == 1 else [])
+    yield available
+    lib.kvp_select_path(1)
+
+
+@pytest.mark.parametrize(
+    "H, KV, D, block_size", [(9, 3, 64, 16), (8, 1, 128, 32), (4, 2, 96, 16)], ids=["smollm2", "mqa-d128", "d96"]
+)
+def test_each_bfloat16_path_matches_float64_attention(lib, paths, H, KV, D, block_size):
+    """The float32 path and the AMX tiles (blocks of a multiple of 16 tokens, D a multiple of 32: 16 keys of a
+    block a tile, up to four output tiles at a time) give the same attention to bfloat16's tolerance; where
+    the CPU has no AMX, only the float32 path runs."""
+    seqs = [(0, 1), (0, 17), (3, 20), (40, 33), (0, 150), (130, 1), (7, 64)]
+    outs = {}
+    for name in paths:
+        assert lib.kvp_select_path(["float32", "amx"].index(name)) == ["float32", "amx"].index(name)
+        outs[name], expected = attend(lib, seqs, H, KV, D, block_size, torch.bfloat16)
+        assert not outs[name].isnan().any()
+        torch.testing.assert_close(outs[name].double(), expected, atol=8e-3, rtol=8e-3)
+    if "amx" in outs:  # the tiles ran: their sums and bfloat16 weights are not the float32 path's bits
+        assert not torch.equal(outs["amx"], outs["float32"])
+
+
+def test_amx_thread_counts_agree(lib, paths):
+    """Each thread configures its own tiles: one thread and three give the same bits."""
+    if "amx" not in paths:
+        pytest.skip("this CPU has no AMX tiles")
+    seqs = [(0, 37), (12, 50), (0, 3)]
+    one, _ = attend(lib, seqs, 9, 3, 64, 16, torch.bfloat16, threads=1)
+    three, _ = attend(lib, seqs, 9, 3, 64, 16, torch.bfloat16, threads=3)
+    assert torch.equal(one, three)
+
+
 def test_thread_counts_agree(lib):
     """Tasks are independent: one thread and three give the same bits."""
     seqs = [(0, 37), (12, 50), (0, 3)]

@@ -14,46 +14,13 @@
  *
  * x is rounded to bfloat16 into rows padded with zeros to a multiple of 16 (one A tile a group of 16
  * rows); per weight group up to four C tiles (64 rows of x) accumulate over K, then go out through put().
- * Linux grants a process the AMX state on request (arch_prctl ARCH_REQ_XCOMP_PERM), once.
+ * Linux grants a process the AMX state on request (amx_tiles.h), once.
  */
 
-#if defined(HAVE_X86) && defined(__linux__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define HAVE_AMX 1
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx_tiles.h"
+#if defined(HAVE_X86) && defined(HAVE_AMX)
 
-/* 1 when this CPU has AMX-BF16 and the kernel granted this process its tile state. */
-int kvq_amx_available(void) {
-    static int granted = -1;
-    if (granted < 0) {
-        unsigned a, b, c, d; /* CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE (any compiler knows cpuid.h) */
-        const int has = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
-        granted = has && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }
-    return granted;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Tiles 0-3: C (float32 16x16), 4: A (16 rows x 32 bfloat16), 5: B (16 pairs x 16 columns), all full. */
-AMX_TARGET static void amx_configure(void) {
-    TileConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 6; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-    __asm__ volatile("" : : "r"(&cfg) : "memory"); /* GCC's ldtilecfg does not say that it reads cfg */
-    _tile_loadconfig(&cfg);
-}
-
-AMX_TARGET static void amx_release(void) { _tile_release(); }
+int kvq_amx_available(void) { return amx_granted(); }
 
 /* One weight group (b: its K / 32 tiles) against groups g0 .. g0+count-1 of x's 16 rows; the sums to c. */
 #define AMX_GROUP(g)                                               \

@@ -76,6 +76,7 @@ _SIGNATURES = {
 }
 _PREFILL_SIGNATURES = {
     "kvp_set_num_threads": (c_int,),
+    "kvp_select_path": (c_int,),  # at most: 0 float32 FMAs, 1 AMX tiles (bfloat16 caches) -> the path in use
     # q, ldq, k_cache, v_cache, block_tables, ldt, seq_lens, query_start, out, ldo, B, H, KV, D, block_size, scale,
     # dtype
     "kvp_prefill_attention": (
@@ -224,7 +225,7 @@ def load_prefill() -> ctypes.CDLL:
     if "avx512f" not in cpu_flags():
         raise NativeKernelsUnavailable("this CPU lacks avx512f")
     lib = _open(PREFILL)
-    lib.kvp_prefill_attention.restype = c_int
+    lib.kvp_prefill_attention.restype = lib.kvp_select_path.restype = c_int
     return lib
 
 

@@ -14,12 +14,14 @@
  * the softmax runs down the lanes; the output, D vectors of 16 rows, takes a value's elements the same
  * way. Keys and values are converted to float32 once per tile of TILE tokens and shared by the G
  * heads. Two passes, as the decode kernel: every score first (the exact max), then the values in
- * token order. float32 throughout; the output is rounded to the model dtype once (as SDPA).
+ * token order. float32 throughout; the output is rounded to the model dtype once (as SDPA). On
+ * bfloat16 caches, where the CPU has AMX-BF16, the same tasks multiply on AMX tiles (task_amx).
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdlib.h>
 
+#include "amx_tiles.h"
 #include "scalar.h"
 
 #define ROWS 16      /* query rows per task: the lanes of a vector */
@@ -104,6 +106,25 @@ INLINE void load_tile(const void *cache, const int32_t *table, int t0, int t1, i
 }
 
 /*
+ * Softmax down each lane of scores s [t][ROWS], t < n, in place: exp(score - the lane's max), keys a lane
+ * does not see (past its position, from unmasked on) 0, and zeros on to end (padding); returns the lanes'
+ * sums. Every lane sees key 0, so its max is finite.
+ */
+INLINE __m512 softmax_lanes(float *s, int n, int end, int unmasked, __m512i pos) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < n; t++) top = _mm512_max_ps(top, _mm512_loadu_ps(s + (int64_t)t * ROWS));
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < n; t++) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + (int64_t)t * ROWS), top));
+        if (t >= unmasked) e = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(t)), e);
+        _mm512_storeu_ps(s + (int64_t)t * ROWS, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    for (int t = n; t < end; t++) _mm512_storeu_ps(s + (int64_t)t * ROWS, _mm512_setzero_ps());
+    return sum;
+}
+
+/*
  * One task: query rows [r0, r0 + ROWS) of a sequence (fewer at its end: the missing lanes repeat
  * the last row and are not stored) at positions first + r, against KV head g. q rows: q + row * ldq,
  * head h at h * D; out likewise with ldo. scratch: see kvp_prefill_attention.
@@ -158,20 +179,10 @@ static void task(const void *q, int64_t ldq, const void *k_cache, const void *v_
             }
         }
     }
-    /* Softmax down each lane; every lane sees key 0, so its max is finite. Hidden keys weigh 0. */
+    /* Softmax down each lane. Hidden keys weigh 0. */
     __m512 sums[8];  /* G <= 8 (the library checks) */
     for (int hh = 0; hh < G; hh++) {
-        float *sh = s + (int64_t)hh * max_keys * ROWS;
-        __m512 top = _mm512_set1_ps(-INFINITY);
-        for (int t = 0; t < n; t++) top = _mm512_max_ps(top, _mm512_loadu_ps(sh + (int64_t)t * ROWS));
-        __m512 sum = _mm512_setzero_ps();
-        for (int t = 0; t < n; t++) {
-            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + (int64_t)t * ROWS), top));
-            if (t >= unmasked) e = _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(t)), e);
-            _mm512_storeu_ps(sh + (int64_t)t * ROWS, e);
-            sum = _mm512_add_ps(sum, e);
-        }
-        sums[hh] = sum;
+        sums[hh] = softmax_lanes(s + (int64_t)hh * max_keys * ROWS, n, n, unmasked, pos);
         float *oh = o + (int64_t)hh * D * ROWS;
         for (int i = 0; i < D * ROWS; i += 16) _mm512_storeu_ps(oh + i, _mm512_setzero_ps());
     }
@@ -210,6 +221,161 @@ static void task(const void *q, int64_t ldq, const void *k_cache, const void *v_
     }
 }
 
+#ifdef HAVE_AMX
+/*
+ * The same task on AMX-BF16 tiles, for bfloat16 caches whose blocks hold a multiple of 16 tokens and D a
+ * multiple of 32: 16 keys of a block are one A tile straight from the cache (rows of KV * D apart), the
+ * task's queries one B tile per 32 elements (transposed as pairs once: row p, column r is row r's
+ * elements 2p, 2p + 1), and the scores come out as this kernel's [key][row] vectors, so the masks and the
+ * softmax are the float32 task's. Values: the weights, rounded to bfloat16 (as the decode kernel's
+ * bfloat16 path, torch's flash attention on CPU and vLLM's paged attention round them) and laid out
+ * row-major, are A tiles of 32 keys; B tiles hold (v_t[d], v_t+1[d]) pairs, the task's value rows
+ * interleaved once for its G heads; up to four float32 C tiles (64 output elements) accumulate at a time.
+ * A tile multiply does 16 x 16 x 32 multiply-adds, where a vector FMA does 16, so the products that made
+ * this kernel's time shrink to a small share. Sums are float32; what differs from the float32 task is
+ * the weights' rounding, the order of the sums and that the tiles flush subnormals to zero.
+ */
+static const uint16_t zero_row[MAX_D]; /* a value row for the positions past the sequence: weight 0 times 0 */
+
+/* Scratch floats task_amx needs for sequences of up to max_keys tokens. */
+static int64_t amx_scratch_floats(int G, int D, int max_keys) {
+    const int64_t keys = (max_keys + 31) / 32 * 32;
+    return (int64_t)G * D * ROWS / 2 + (int64_t)G * keys * ROWS + (int64_t)ROWS * keys / 2 + (int64_t)ROWS * D +
+           keys / 2 * D;
+}
+
+AMX_TARGET static void task_amx(const uint16_t *q, int64_t ldq, const uint16_t *k_cache, const uint16_t *v_cache,
+                                const int32_t *table, int first, int r0, int nrows, int g, int H, int KV, int D,
+                                int block_size, float scale, uint16_t *out, int64_t ldo, float *scratch,
+                                int max_keys) {
+    const int G = H / KV, P = D / 2;
+    const int64_t row = (int64_t)KV * D, head = (int64_t)g * D;
+    const int last = first + r0 + nrows - 1;
+    const int n = last + 1, n32 = (n + 31) / 32 * 32, keys = (max_keys + 31) / 32 * 32;
+    int32_t *qt = (int32_t *)scratch;                        /* [G][P][ROWS]: query pairs, transposed */
+    float *s = scratch + (int64_t)G * D * ROWS / 2;          /* [G][keys][ROWS]: scores, then weights */
+    uint16_t *pb = (uint16_t *)(s + (int64_t)G * keys * ROWS); /* [ROWS][n32]: one head's weights, row-major */
+    float *o = (float *)(pb + (int64_t)ROWS * keys);         /* [ROWS][D]: one head's outputs */
+    int32_t *vp = (int32_t *)(o + (int64_t)ROWS * D);        /* [n32 / 2][D]: value pairs */
+    for (int hh = 0; hh < G; hh++)
+        for (int d0 = 0; d0 < D; d0 += 32) {
+            __m512 block[16];
+            for (int r = 0; r < ROWS; r++) {
+                const int rr = r < nrows ? r : nrows - 1;
+                block[r] = _mm512_loadu_ps(q + (int64_t)(r0 + rr) * ldq + (int64_t)(g * G + hh) * D + d0);
+            }
+            transpose16(block); /* moves bits only */
+            for (int i = 0; i < 16; i++) _mm512_storeu_ps((float *)qt + ((int64_t)hh * P + d0 / 2 + i) * ROWS, block[i]);
+        }
+    int lane_pos[ROWS];
+    for (int r = 0; r < ROWS; r++) lane_pos[r] = first + r0 + (r < nrows ? r : nrows - 1);
+    const __m512i pos = _mm512_loadu_si512(lane_pos);
+    const int unmasked = first + r0;
+
+    /* Pass 1: scores, 16 keys (of one block) a tile. */
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const uint16_t *keys16 = k_cache + ((int64_t)table[t0 / block_size] * block_size + t0 % block_size) * row + head;
+        for (int hh = 0; hh < G; hh++) {
+            float *sh = s + ((int64_t)hh * keys + t0) * ROWS;
+            _tile_zero(0);
+            for (int c = 0; c < D / 32; c++) {
+                _tile_loadd(1, keys16 + 32 * c, row * 2);
+                _tile_loadd(2, qt + ((int64_t)hh * P + 16 * c) * ROWS, ROWS * 4);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, sh, ROWS * 4);
+            for (int t = t0; t < t0 + 16 && t < n; t++) {
+                __m512 score = _mm512_mul_ps(_mm512_loadu_ps(sh + (int64_t)(t - t0) * ROWS), _mm512_set1_ps(scale));
+                if (t >= unmasked) {
+                    const __mmask16 hidden = _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32(t));
+                    score = _mm512_mask_mov_ps(score, hidden, _mm512_set1_ps(-INFINITY));
+                }
+                _mm512_storeu_ps(sh + (int64_t)(t - t0) * ROWS, score);
+            }
+        }
+    }
+    /* The value pairs: word d of pair i is (v_2i[d], v_2i+1[d]); rows past the sequence are zeros. */
+    const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i order_hi = _mm512_add_epi32(order, _mm512_set1_epi32(8));
+    for (int i = 0; i < n32 / 2; i++) {
+        const uint16_t *ab[2];
+        for (int e = 0; e < 2; e++) {
+            const int t = 2 * i + e;
+            ab[e] = t < n ? v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row + head
+                          : zero_row;
+        }
+        for (int d0 = 0; d0 < D; d0 += 32) {
+            const __m512i va = _mm512_loadu_si512(ab[0] + d0), vb = _mm512_loadu_si512(ab[1] + d0);
+            const __m512i lo = _mm512_unpacklo_epi16(va, vb), hi = _mm512_unpackhi_epi16(va, vb);
+            _mm512_storeu_si512(vp + (int64_t)i * D + d0, _mm512_permutex2var_epi32(lo, order, hi));
+            _mm512_storeu_si512(vp + (int64_t)i * D + d0 + 16, _mm512_permutex2var_epi32(lo, order_hi, hi));
+        }
+    }
+    for (int hh = 0; hh < G; hh++) {
+        /* Softmax down each lane, as the float32 task; then the weights row-major as bfloat16. */
+        float *sh = s + (int64_t)hh * keys * ROWS;
+        const __m512 sum = softmax_lanes(sh, n, n32, unmasked, pos);
+        for (int t0 = 0; t0 < n32; t0 += 16) {
+            __m512 block[16];
+            for (int i = 0; i < 16; i++) block[i] = _mm512_loadu_ps(sh + (int64_t)(t0 + i) * ROWS);
+            transpose16(block); /* block[r]: row r's weights of keys t0 .. t0 + 15 */
+            for (int r = 0; r < ROWS; r++)
+                _mm256_storeu_si256((__m256i *)(pb + (int64_t)r * n32 + t0), (__m256i)_mm512_cvtneps_pbh(block[r]));
+        }
+        /* Pass 2: 64 output elements (four C tiles) at a time, over 32 keys a step. */
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            const int tiles = (D - d0) / 16 < 4 ? (D - d0) / 16 : 4;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int t0 = 0; t0 < n32; t0 += 32) {
+                _tile_loadd(4, pb + t0, n32 * 2);
+                const int32_t *b = vp + (int64_t)(t0 / 2) * D + d0;
+                _tile_loadd(5, b, D * 4);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(5, b + 16, D * 4);
+                _tile_dpbf16ps(1, 4, 5);
+                if (tiles > 2) {
+                    _tile_loadd(5, b + 32, D * 4);
+                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_loadd(5, b + 48, D * 4);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            _tile_stored(0, o + d0, D * 4);
+            _tile_stored(1, o + d0 + 16, D * 4);
+            if (tiles > 2) {
+                _tile_stored(2, o + d0 + 32, D * 4);
+                _tile_stored(3, o + d0 + 48, D * 4);
+            }
+        }
+        float lane_sums[ROWS];
+        _mm512_storeu_ps(lane_sums, sum);
+        for (int r = 0; r < nrows; r++) {
+            const __m512 inv = _mm512_set1_ps(lane_sums[r]);
+            for (int d0 = 0; d0 < D; d0 += 16) {
+                const int64_t at = (int64_t)(r0 + r) * ldo + (int64_t)(g * G + hh) * D + d0;
+                store16(out, at, _mm512_div_ps(_mm512_loadu_ps(o + (int64_t)r * D + d0), inv), BF16);
+            }
+        }
+    }
+}
+#endif
+
+enum { PATH_FLOAT32 = 0, PATH_AMX = 1 };
+static int path = -1; /* -1: not decided yet */
+
+/* The fastest path this CPU runs for bfloat16 caches, at most want (tests force the float32 one); returns it. */
+int kvp_select_path(int want) {
+    int best = PATH_FLOAT32;
+#ifdef HAVE_AMX
+    best = amx_granted() ? PATH_AMX : PATH_FLOAT32;
+#endif
+    path = want < best ? PATH_FLOAT32 : best;
+    return path;
+}
+
 /*
  * Prefill chunks of B sequences: sequence b's q_len query rows start at row query_start[b] - query_start[0]
  * of q ([T, H, D], row stride ldq) and out (row stride ldo), and are its last q_len of seq_lens[b]
@@ -239,7 +405,12 @@ int kvp_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const
         for (int r0 = (q_len - 1) / ROWS * ROWS; r0 >= 0; r0 -= ROWS)
             for (int g = 0; g < KV; g++) tasks[i++] = b, tasks[i++] = r0, tasks[i++] = g;
     }
-    const int64_t scratch_floats = (int64_t)G * D * ROWS * 2 + (int64_t)G * max_keys * ROWS + (int64_t)TILE * D;
+    if (path < 0) kvp_select_path(PATH_AMX);
+    const int tiles = path == PATH_AMX && dt == BF16 && D % 32 == 0 && block_size % 16 == 0;
+    int64_t scratch_floats = (int64_t)G * D * ROWS * 2 + (int64_t)G * max_keys * ROWS + (int64_t)TILE * D;
+#ifdef HAVE_AMX
+    if (tiles) scratch_floats = amx_scratch_floats(G, D, max_keys);
+#endif
     int failed = 0;
     const int es = dt == BF16 ? 2 : 4;
 #pragma omp parallel num_threads(num_threads)
@@ -249,6 +420,9 @@ int kvp_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const
 #pragma omp atomic write
             failed = 1;
         }
+#ifdef HAVE_AMX
+        if (tiles) amx_configure();
+#endif
 #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < num_tasks; t++) {
             if (!scratch) continue;
@@ -256,10 +430,21 @@ int kvp_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const
             const int64_t base = query_start[b] - query_start[0];
             const int q_len = query_start[b + 1] - query_start[b];
             const int nrows = q_len - r0 < ROWS ? q_len - r0 : ROWS;
+#ifdef HAVE_AMX
+            if (tiles) {
+                task_amx((const uint16_t *)q + base * ldq, ldq, k_cache, v_cache, block_tables + b * ldt,
+                         seq_lens[b] - q_len, r0, nrows, g, H, KV, D, block_size, scale, (uint16_t *)out + base * ldo,
+                         ldo, scratch, max_keys);
+                continue;
+            }
+#endif
             task((const char *)q + base * ldq * es, ldq, k_cache, v_cache, block_tables + b * ldt,
                  seq_lens[b] - q_len, r0, nrows, g, H, KV, D, block_size, scale, (char *)out + base * ldo * es, ldo,
                  dt, scratch, max_keys);
         }
+#ifdef HAVE_AMX
+        if (tiles) amx_release();
+#endif
         free(scratch);
     }
     free(tasks);

@@ -441,6 +441,8 @@ def _prefill_kernel(head_dim: int, group: int) -> tuple[ctypes.CDLL | None, str]
             f" head, not {head_dim} and {group})"
         )
     try:
-        return load_prefill(), "native (AVX-512)"
+        lib = load_prefill()
     except NativeKernelsUnavailable as exc:
         return None, f"SDPA ({exc})"
+    tiles = head_dim % 32 == 0 and lib.kvp_select_path(1) == 1  # the fastest path, which it uses from now on
+    return lib, "native (AVX-512; AMX tiles for bfloat16 caches)" if tiles else "native (AVX-512)"
