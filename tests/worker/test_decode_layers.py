@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.worker.cpu_kernels import library
+from services.worker.models import llama_one_call
 from services.worker.quant import matmul
 from services.worker.setup.build import create_runner, load_model
 from tests.worker.test_cpu_kernels import forced_linear_path
@@ -60,7 +61,9 @@ def decode_logits(loaded, num_requests: int, one_call: bool, steps: int = 4) -> 
         request(f"r{i}", p, list(range(i, num_blocks, num_requests)), 0, len(p)) for i, p in enumerate(prompts)
     ]  # interleaved blocks
     run_logits(runner, requests)
-    native._in_one_call[num_requests] = one_call and native._all_native(num_requests)
+    native._in_one_call[num_requests] = one_call and llama_one_call.all_native(
+        native.model.layers, native.takes_gemv, num_requests
+    )
     logits = []
     for _ in range(steps):
         for r in requests:

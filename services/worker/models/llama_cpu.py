@@ -5,9 +5,9 @@ torch's bfloat16 matrix-vector product falls well short of the memory bandwidth,
 eager op pays torch's dispatch, more than its own math at batch 1;
 ``cpu_kernels/decode_kernels.c`` streams the weights at close to bandwidth and does each small op
 in one call, 9 calls per layer. A decode-only step whose products all take native kernels (batch 1
-on packed weights, a few rows on the GEMV) runs all its layers in one call (``kvg_decode_layers``:
-the same kernels in the same order, from C, without the Python between them, a fifth of such a
-step); at one row on weights in the quantized kernel's tiled formats that call runs the whole step as
+on packed weights, a few rows on the GEMV) runs all its layers in one call (``kvg_decode_layers``,
+described by ``llama_one_call``: the same kernels in the same order, from C, without the Python
+between them, a fifth of such a step); at one row on weights in the quantized kernel's tiled formats that call runs the whole step as
 one OpenMP team, each thread streaming its share of every product (a seventh faster again). Norms,
 rotary embedding and the cache write always run here, and
 so does paged attention over the block tables for decodes, and for prefill chunks too where the
@@ -42,7 +42,8 @@ from services.worker.cpu_kernels.library import (
     load_prefill,
     load_quant,
 )
-from services.worker.quant.formats import FORMAT_CODES, TILE
+from services.worker.models import llama_one_call as one_call
+from services.worker.quant.formats import FORMAT_CODES
 from services.worker.quant.matmul import DEQUANTIZE_ROWS, linear_into, packed_linear
 from services.worker.setup.cpu_features import detect as detect_cpu
 
@@ -201,43 +202,15 @@ class NativeCpuPath:
         the native GEMV for float weights, the quantized kernel for one row of tiled packed ones (no GEMM, no AMX
         tiles, no int8 GEMM: those only Python calls)."""
         if rows not in self._in_one_call:
-            self._in_one_call[rows] = self._all_native(rows)
+            self._in_one_call[rows] = one_call.all_native(self.model.layers, self.takes_gemv, rows)
         return self._in_one_call[rows]
-
-    def _all_native(self, rows: int) -> bool:
-        for module in (m for layer in self.model.layers for m in _products(layer)):
-            if module.packed is None and not self.takes_gemv(module.gemm, rows):
-                return False
-            if module.packed is not None and (rows != 1 or not module.packed.tiled):
-                return False
-        return True
 
     def layers_program(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> decode_step.StepModel:
         """The layers' weights, norms and caches as ``kvg_decode_layers`` reads them, built once per set of caches."""
         key = tuple(t.data_ptr() for pair in kv_caches for t in pair)
-        if self._program is not None and self._program[0] == key:
-            return self._program[1]
-        layers = (decode_step.StepLayer * len(kv_caches))()
-        for step_layer, layer, (k_cache, v_cache) in zip(layers, self.model.layers, kv_caches, strict=True):
-            step_layer.input_norm = layer.input_layernorm.weight.data_ptr()
-            step_layer.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            step_layer.qkv, step_layer.o, step_layer.gate_up, step_layer.down = map(_step_linear, _products(layer))
-            step_layer.k_cache, step_layer.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-            step_layer.window = layer.self_attn.window
-        formats = [linear.format for layer in layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        packed = any(f != decode_step.FLOAT_WEIGHT for f in formats)
-        quant = load_quant() if packed else None
-        team = packed and all(f != decode_step.FLOAT_WEIGHT and quant.kvq_takes_tiles(f) for f in formats)
-        program = decode_step.StepModel(
-            num_layers=len(kv_caches), heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
-            block_size=kv_caches[0][0].shape[1], dt=self.code, hidden=self.hidden, intermediate=self.intermediate,
-            eps=self.eps, scale=self.scale, cos=self.model.cos.data_ptr(), sin=self.model.sin.data_ptr(),
-            quant_linear=decode_step.address(quant.kvq_linear) if packed else None,
-            quant_tiles=decode_step.address(quant.kvq_linear_tiles) if packed else None,
-            team=int(team), layers=layers,
-        )  # fmt: skip
-        self._program = (key, program, layers)  # the array too: the struct points into it
-        return program
+        if self._program is None or self._program[0] != key:
+            self._program = (key, *one_call.describe(self, kv_caches))  # the array too: the struct points into it
+        return self._program[1]
 
     def forward(
         self,
@@ -365,36 +338,6 @@ class NativeCpuPath:
         self.lib.kvg_linear(normed.data_ptr(), weight.data_ptr(), None, out.data_ptr(), vocab, rows, vocab,
                             self.hidden, self.code, 0)  # fmt: skip
         return out
-
-
-def _products(layer) -> tuple:
-    """A layer's four products, in step order: qkv, o, gate_up, down."""
-    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
-
-
-def _step_linear(module) -> decode_step.StepLinear:
-    """One product as ``kvg_decode_layers`` calls it: a float weight on the GEMV, a packed one on the quantized
-    kernel (tiled: ``in_one_call`` takes no other)."""
-    bias = _ptr(getattr(module, "bias", None))
-    packed = module.packed
-    if packed is None:
-        n, k = module.weight.shape
-        return decode_step.StepLinear(module.weight.data_ptr(), None, bias, n, k, decode_step.FLOAT_WEIGHT)
-    n, k = packed.shape
-    tiles = -(-n // TILE)
-    if packed.data.nbytes % tiles:
-        raise ValueError(
-            f"a tiled {packed.format} weight of {n} rows holds {packed.data.nbytes} bytes, not whole tiles"
-        )
-    return decode_step.StepLinear(
-        packed.data.data_ptr(),
-        _ptr(packed.scales),
-        bias,
-        n,
-        k,
-        FORMAT_CODES[packed.format],
-        packed.data.nbytes // tiles,
-    )
 
 
 def paged_decode(
