@@ -41,7 +41,7 @@ class OnednnGemm:
     weights = "oneDNN's reordered bfloat16"  # for the log
     dtype = torch.bfloat16  # of the weight, the input and the product
     min_rows = 1  # at least as fast as the native GEMV at one row too (see above)
-    writes_into = False  # returns its own output tensor: into() copies it
+    writes_into = False  # returns its own output tensor (the callers use it where it is)
 
     def __init__(self, weight: torch.Tensor):
         if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
@@ -52,7 +52,3 @@ class OnednnGemm:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # [M, K] -> [M, N]
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [None], "")
-
-    def into(self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """out = x W^T (+ bias): out [M, N] bfloat16, rows possibly strided."""
-        out.copy_(self(x, bias))

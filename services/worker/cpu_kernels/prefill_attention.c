@@ -265,7 +265,8 @@ AMX_TARGET static void task_amx(const uint16_t *q, int64_t ldq, const uint16_t *
                 block[r] = _mm512_loadu_ps(q + (int64_t)(r0 + rr) * ldq + (int64_t)(g * G + hh) * D + d0);
             }
             transpose16(block); /* moves bits only */
-            for (int i = 0; i < 16; i++) _mm512_storeu_ps((float *)qt + ((int64_t)hh * P + d0 / 2 + i) * ROWS, block[i]);
+            for (int i = 0; i < 16; i++)
+                _mm512_storeu_ps((float *)qt + ((int64_t)hh * P + d0 / 2 + i) * ROWS, block[i]);
         }
     int lane_pos[ROWS];
     for (int r = 0; r < ROWS; r++) lane_pos[r] = first + r0 + (r < nrows ? r : nrows - 1);
@@ -274,7 +275,8 @@ AMX_TARGET static void task_amx(const uint16_t *q, int64_t ldq, const uint16_t *
 
     /* Pass 1: scores, 16 keys (of one block) a tile. */
     for (int t0 = 0; t0 < n; t0 += 16) {
-        const uint16_t *keys16 = k_cache + ((int64_t)table[t0 / block_size] * block_size + t0 % block_size) * row + head;
+        const int64_t slot = (int64_t)table[t0 / block_size] * block_size + t0 % block_size;
+        const uint16_t *keys16 = k_cache + slot * row + head; /* 16 keys of one block, rows KV * D apart */
         for (int hh = 0; hh < G; hh++) {
             float *sh = s + ((int64_t)hh * keys + t0) * ROWS;
             _tile_zero(0);

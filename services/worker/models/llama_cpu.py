@@ -7,9 +7,9 @@ eager op pays torch's dispatch, more than its own math at batch 1;
 in one call, 9 calls per layer. A decode-only step whose products all take native kernels (batch 1
 on packed weights, a few rows on the GEMV) runs all its layers in one call (``kvg_decode_layers``,
 described by ``llama_one_call``: the same kernels in the same order, from C, without the Python
-between them, a fifth of such a step); at one row on weights in the quantized kernel's tiled formats that call runs the whole step as
-one OpenMP team, each thread streaming its share of every product (a seventh faster again). Norms,
-rotary embedding and the cache write always run here, and
+between them, a fifth of such a step); at one row on weights in the quantized kernel's tiled formats
+that call runs the whole step as one OpenMP team, each thread streaming its share of every product
+(a seventh faster again). Norms, rotary embedding and the cache write always run here, and
 so does paged attention over the block tables for decodes, and for prefill chunks too where the
 CPU has AVX-512 (``cpu_kernels/prefill_attention.c``, which reads the context from the blocks in
 place where SDPA needs it gathered first); elsewhere prefill chunks attend through the attention
