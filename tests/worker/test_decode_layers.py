@@ -1,14 +1,14 @@
 """A decode step's layers in one native call (``kvg_decode_layers``) compute what the per-op loop computes, bit for
-bit: the same kernels in the same order, for float weights on the GEMV (both bfloat16 GEMV paths), packed int8 and
-GGUF weights, and sliding-window layers; one-row steps on weights the quantized kernel splits by tiles run as one
-OpenMP team, with the same outputs; steps with a product only Python calls (a GEMM) keep the loop."""
+bit: the same kernels in the same order, for float weights on the GEMV (both bfloat16 GEMV paths) or AMX tiles,
+packed int8 and GGUF weights, and sliding-window layers; one-row steps on weights the quantized kernel splits by
+tiles run as one OpenMP team, with the same outputs; steps with a product only Python calls (a GEMM) keep the loop."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.worker.cpu_kernels import library
+from services.worker.cpu_kernels import library, tile_gemm
 from services.worker.models import llama_one_call
 from services.worker.quant import matmul
 from services.worker.setup.build import create_runner, load_model
@@ -99,6 +99,19 @@ def test_float32(tmp_path, num_requests):
 def test_bfloat16_on_each_gemv_path(tmp_path, path, num_requests):
     with forced_linear_path(path):
         assert_one_call_equals_loop(lambda: float_model(tmp_path, "bfloat16"), num_requests)
+
+
+@pytest.mark.skipif(not tile_gemm.available(), reason="no AMX-BF16 tiles here")
+def test_bfloat16_on_amx_tiles(tmp_path):
+    """Above the GEMV's rows the layers' products take the AMX tile GEMM, from C as from Python (6 rows, padded to a
+    block of 16)."""
+
+    def tiled_model():
+        loaded = load_model(save_tiny_model(str(tmp_path), "llama"), dtype="bfloat16", device="cpu")
+        assert isinstance(loaded.model.layers[0].mlp.down_proj.gemm, tile_gemm.TileGemm)
+        return loaded
+
+    assert_one_call_equals_loop(tiled_model, 6)
 
 
 def test_sliding_window_layers(tmp_path):

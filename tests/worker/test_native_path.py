@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from services.worker.cpu_kernels import library
+from services.worker.cpu_kernels import library, tile_gemm
 from services.worker.setup.build import create_runner, load_model
 from services.worker.setup.cpu_features import cpu_flags
 from services.worker.setup.cpu_features import detect as detect_cpu
@@ -143,17 +143,20 @@ def test_engine_choice(tmp_path, monkeypatch, caplog):
     with pytest.raises(ModelLoadError, match="--cpu-kernels native: .*float16"):
         load_model(path, dtype="float16", device="cpu", cpu_kernels="native")
 
-    # bfloat16 weights take oneDNN's GEMM on weights reordered at load where the CPU has bfloat16 units, below 5
+    # bfloat16 weights take oneDNN's GEMM on weights reordered at load where the CPU has bfloat16 units (AMX tiles up
+    # to 512 rows where it has AMX-BF16), below 5
     # rows the native GEMV where it multiplies bfloat16 pairs; elsewhere they are multiplied in float32, on MKL's
     # packed GEMM from 2 rows.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="services.worker.setup.build"):
         assert load_model(path, dtype="bfloat16", device="cpu", cpu_kernels="auto").model.native_path is not None
-    pairs_then_gemm = "the native GEMV on bfloat16 pairs up to 4 rows, the GEMM on oneDNN's reordered bfloat16 weights"
+    gemm = "AMX-tiled bfloat16 (oneDNN's reordered above 512 rows)" if tile_gemm.available() else (
+        "oneDNN's reordered bfloat16")  # fmt: skip
     if detect_cpu().bf16_units and library.linear_path() == "avx512-bf16":
-        assert f"matmuls: {pairs_then_gemm} above" in caplog.text
+        pairs = "the native GEMV on bfloat16 pairs up to 4 rows"
+        assert f"matmuls: {pairs}, the GEMM on {gemm} weights above" in caplog.text
     elif detect_cpu().bf16_units:
-        assert "matmuls: the GEMM on oneDNN's reordered bfloat16 weights at every row count" in caplog.text
+        assert f"matmuls: the GEMM on {gemm} weights at every row count" in caplog.text
     else:
         assert "matmuls: the native GEMV at 1 row, the GEMM on MKL's packed float32 weights above" in caplog.text
 

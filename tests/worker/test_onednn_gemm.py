@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.worker.cpu_kernels import library, onednn_gemm
+from services.worker.cpu_kernels import library, onednn_gemm, tile_gemm
 from services.worker.setup.build import create_runner, load_model
 from tests.worker.test_cpu_kernels import TOLERANCE, forced_linear_path
 from tests.worker.tiny import drop_packed_gemms, request, run_logits, save_tiny_model
@@ -74,6 +74,7 @@ def test_model_reorders_bfloat16_weights_where_the_cpu_has_units(tmp_path, cpu_k
     takes every product (18, 3 and 1 rows) on the torch path, and on the native path too where its GEMV widens
     bfloat16 to float32; where that GEMV multiplies bfloat16 pairs it takes the products of up to 4 rows. The
     logits are the unreordered model's (torch's: the same bits). Without bfloat16 units nothing is reordered."""
+    monkeypatch.setattr(tile_gemm, "available", lambda: False)  # the layers' AMX tiles: test_tile_gemm.py
     path = save_tiny_model(str(tmp_path), "qwen2", tie_word_embeddings=True)  # biases on q, k, v
     # Not upcast, whatever this CPU has: set_packed_gemms is told below whether there are bfloat16 units.
     loaded = load_model(

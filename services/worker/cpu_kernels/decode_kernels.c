@@ -28,6 +28,8 @@ static int num_threads = 1;
 
 void kvg_set_num_threads(int n) { num_threads = n > 0 ? n : 1; }
 
+#include "amx_gemm.h"
+
 INLINE __m256 load8(const void *p, int64_t i, int dt) {
     if (dt == BF16) {
         __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
@@ -928,6 +930,7 @@ typedef struct {
     int64_t n, k;
     int format;
     int64_t tile_bytes; /* a quantized weight's bytes per tile of QUANT_TILE rows (its tiled layout) */
+    const void *amx;    /* a bfloat16 weight's copy in AMX tiles (amx_gemm.h), or NULL */
 } StepLinear;
 
 typedef struct {
@@ -945,6 +948,7 @@ typedef struct {
     QuantLinear quant_linear;
     QuantTiles quant_tiles;
     int team; /* every product quantized in a format quant_tiles takes: one-row steps run as one team */
+    int gemv_rows; /* rows up to which a float weight with an AMX copy still takes the GEMV */
     const StepLayer *layers;
 } StepModel;
 
@@ -954,6 +958,9 @@ typedef struct {
 
 static void step_linear(const StepModel *m, const StepLinear *l, const void *x, void *y, int64_t ldy, int rows,
                         int accumulate) {
+    if (l->format < 0 && l->amx && rows > m->gemv_rows &&
+        kvg_tile_linear(x, l->k, l->amx, l->bias, y, ldy, rows, l->n, l->k, accumulate))
+        return;
     if (l->format < 0)
         kvg_linear(x, l->weight, l->bias, y, ldy, rows, l->n, l->k, m->dt, accumulate);
     else

@@ -22,6 +22,7 @@ class StepLinear(Structure):
         ("k", c_int64),
         ("format", c_int),
         ("tile_bytes", c_int64),
+        ("amx", c_void_p),  # a bfloat16 weight's copy in AMX tiles (cpu_kernels.tile_gemm), taken above gemv_rows
     ]
 
 
@@ -56,6 +57,7 @@ class StepModel(Structure):
         ("quant_linear", c_void_p),
         ("quant_tiles", c_void_p),
         ("team", c_int),
+        ("gemv_rows", c_int),
         ("layers", POINTER(StepLayer)),
     ]
 

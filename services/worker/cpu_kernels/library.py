@@ -3,7 +3,7 @@
 Three shared libraries, each from its C file (plus the headers beside it: ``scalar.h``, ``kquants.h``...):
 - ``decode_kernels.c``: the float32/bfloat16 step kernels, compiled for AVX2 and FMA (paged
   attention also with AVX-512 and AVX512-BF16, chosen at run time: ``ATTENTION_PATHS``, and the
-  bfloat16 GEMV with AVX512-BF16: ``LINEAR_PATHS``); ``load`` raises
+  bfloat16 GEMV with AVX512-BF16: ``LINEAR_PATHS``, and bfloat16 GEMMs on AMX tiles: ``amx_gemm.h``); ``load`` raises
   ``NativeKernelsUnavailable`` on CPUs without AVX2 and FMA.
 - ``prefill_attention.c``: causal attention of prefill chunks over the paged cache, compiled for
   AVX-512F; ``load_prefill`` raises ``NativeKernelsUnavailable`` on CPUs without it (prefill chunks
@@ -68,6 +68,9 @@ _SIGNATURES = {
         + (c_int,) * 5
         + (c_float, c_int, c_int)
     ),
+    # x, ldx, w (AMX tiles), bias, y, ldy, M, N, K, accumulate -> 1, or 0 without AMX (amx_gemm.h)
+    "kvg_tile_linear": (c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int64, c_int64, c_int),
+    "kvg_tile_available": (),
     # x, ldx, M, N, out (int64)
     "kvg_argmax_rows": (c_void_p, c_int64, c_int, c_int64, c_void_p),
     # x, y, n (the attention's exp, for the tests)
@@ -188,7 +191,7 @@ def load() -> ctypes.CDLL:
     lib.kvg_select_attention_path.argtypes, lib.kvg_select_attention_path.restype = (c_int,), c_int
     lib.kvg_attention_path.argtypes, lib.kvg_attention_path.restype = (), c_int
     lib.kvg_select_attention_path(len(ATTENTION_PATHS) - 1)
-    for name in ("kvg_select_linear_path", "kvg_linear_path"):
+    for name in ("kvg_select_linear_path", "kvg_linear_path", "kvg_tile_linear", "kvg_tile_available"):
         getattr(lib, name).restype = c_int
     lib.kvg_select_linear_path.argtypes = (c_int,)
     lib.kvg_select_linear_path(len(LINEAR_PATHS) - 1)

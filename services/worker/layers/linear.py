@@ -8,6 +8,7 @@ from torch import nn
 
 from services.worker.cpu_kernels.mkl_gemm import PackedGemm
 from services.worker.cpu_kernels.onednn_gemm import OnednnGemm
+from services.worker.cpu_kernels.tile_gemm import TileGemm
 from services.worker.quant.formats import PackedWeight
 from services.worker.quant.matmul import packed_embedding, packed_linear
 
@@ -27,7 +28,7 @@ class Linear(nn.Linear):
     upcast: bool = False
     weight_f32: torch.Tensor | None = None
     packed: PackedWeight | None = None  # --quantization: the weight as int8 or GGUF blocks (see quant/)
-    gemm: PackedGemm | OnednnGemm | None = None  # the weight packed once for its GEMM (set_packed_gemms)
+    gemm: PackedGemm | OnednnGemm | TileGemm | None = None  # the weight packed once for its GEMM (set_packed_gemms)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

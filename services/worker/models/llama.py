@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
-from services.worker.cpu_kernels import mkl_gemm, onednn_gemm
+from services.worker.cpu_kernels import mkl_gemm, onednn_gemm, tile_gemm
 from services.worker.cpu_kernels.mkl_gemm import PackedGemm
 from services.worker.cpu_kernels.onednn_gemm import OnednnGemm
+from services.worker.cpu_kernels.tile_gemm import TileGemm
 from services.worker.layers.linear import Embedding, Linear
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rope import apply_rotary, cos_sin_tables
@@ -270,7 +271,8 @@ class LlamaForCausalLM(nn.Module):
         most ``limit`` bytes: float32 ones (or set_upcast_matmuls' float32 copies, which the packed ones
         replace) for MKL's packed GEMM (``cpu_kernels.mkl_gemm``), taking products of 2+ rows; bfloat16 ones,
         on a CPU with bfloat16 units, reordered for oneDNN's (``cpu_kernels.onednn_gemm``), taking every
-        product. Call after set_upcast_matmuls; returns what it did, for the log."""
+        product (those of up to ``tile_gemm.MAX_ROWS`` rows on AMX tiles where the CPU has them and the shape takes
+        them: ``cpu_kernels.tile_gemm``). Call after set_upcast_matmuls; returns what it did, for the log."""
 
         def source(module: Linear | Embedding, copy: torch.Tensor | None) -> torch.Tensor | None:
             weight = module.weight if copy is None else copy
@@ -293,17 +295,24 @@ class LlamaForCausalLM(nn.Module):
             return f"torch has no GEMM on {gemm.weights} weights here"
         if total > limit:
             return f"{total / 2**20:.0f} MiB of weights is over the {limit / 2**20:.0f} MiB limit"
+        tiles = gemm is OnednnGemm and tile_gemm.available()  # AMX: decode batches on tiles where shapes take them
+
+        def pack(weight: torch.Tensor) -> PackedGemm | OnednnGemm | TileGemm:
+            return TileGemm(weight) if tiles and tile_gemm.fits(weight) else gemm(weight)
+
         for module, weight in linears.items():
-            module.gemm, module.weight_f32 = gemm(weight), None
-        if logits in linears:
-            self.logits_gemm = logits.gemm
-        elif logits_source is not None:
-            self.logits_gemm = gemm(logits_source)
+            module.gemm, module.weight_f32 = pack(weight), None
+        self.logits_gemm = logits.gemm if logits in linears else None if logits_source is None else pack(logits_source)
         self.logits_weight_f32 = None
         if self.native_path is not None:
             self.native_path.forget_plans()
         products = "every product" if gemm.min_rows == 1 else f"products of {gemm.min_rows}+ rows"
-        return f"{products} on {gemm.weights} weights (+{total / 2**20:.0f} MiB)"
+        gemms = {id(g): g for g in [*(m.gemm for m in linears), self.logits_gemm] if g is not None}.values()
+        tiled = sum(isinstance(g, TileGemm) for g in gemms)
+        on = f"{gemm.weights} weights"
+        if tiled:
+            on = f"{TileGemm.weights} weights" + ("" if tiled == len(gemms) else f" ({tiled} of {len(gemms)}), {on}")
+        return f"{products} on {on} (+{self.packed_gemm_bytes() / 2**20:.0f} MiB)"
 
     def packed_gemm_bytes(self) -> int:
         gemms = {id(m.gemm): m.gemm for m in self.modules() if isinstance(m, Linear) and m.gemm is not None}

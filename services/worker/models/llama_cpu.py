@@ -5,8 +5,8 @@ torch's bfloat16 matrix-vector product falls well short of the memory bandwidth,
 eager op pays torch's dispatch, more than its own math at batch 1;
 ``cpu_kernels/decode_kernels.c`` streams the weights at close to bandwidth and does each small op
 in one call, 9 calls per layer. A decode-only step whose products all take native kernels (batch 1
-on packed weights, a few rows on the GEMV) runs all its layers in one call (``kvg_decode_layers``,
-described by ``llama_one_call``: the same kernels in the same order, from C, without the Python
+on packed weights, a few rows on the GEMV, decode batches on AMX tiles) runs all its layers in one call
+(``kvg_decode_layers``, described by ``llama_one_call``: the same kernels in the same order, from C, without the Python
 between them, a fifth of such a step); at one row on weights in the quantized kernel's tiled formats
 that call runs the whole step as one OpenMP team, each thread streaming its share of every product
 (a seventh faster again). Norms, rotary embedding and the cache write always run here, and
@@ -20,7 +20,9 @@ the native GEMV for one row and MKL's GEMM on packed weights above (written stra
 path's buffers, and ahead of the GEMV from two rows); bfloat16 weights on a CPU with bfloat16
 units take the native GEMV on bfloat16 pairs (AVX512-BF16) up to ``BF16_PAIR_ROWS`` rows, where it
 streams the weights faster than any GEMM, and oneDNN's GEMM on weights reordered for those units
-above (``cpu_kernels.onednn_gemm``; at every row count where the GEMV can only widen to float32).
+above (``cpu_kernels.onednn_gemm``; at every row count where the GEMV can only widen to float32); where the CPU has
+AMX-BF16, the layers' products up to ``tile_gemm.MAX_ROWS`` rows take AMX tiles instead (``cpu_kernels.tile_gemm``,
+into this path's buffers, from the one-call step too).
 Without a packed GEMM, the native GEMV up to ``gemv_rows`` rows (16; 4 for bfloat16 with bfloat16
 units) and torch's GEMM above (compute-bound there, where MKL is faster); packed weights
 (``--quantization``) take ``quant.matmul``. Same weights, same KV cache, same numerics op for op
@@ -42,6 +44,7 @@ from services.worker.cpu_kernels.library import (
     load_prefill,
     load_quant,
 )
+from services.worker.cpu_kernels.tile_gemm import TileGemm
 from services.worker.models import llama_one_call as one_call
 from services.worker.quant.formats import FORMAT_CODES
 from services.worker.quant.matmul import DEQUANTIZE_ROWS, linear_into, packed_linear
@@ -162,6 +165,9 @@ class NativeCpuPath:
             )  # fmt: skip
             return out
         gemm = module.gemm
+        if isinstance(gemm, TileGemm) and gemm.takes(rows):  # adds as below, in the kernel
+            gemm.into(x, out, module.bias, accumulate)
+            return out
         if gemm is not None and out.dtype == gemm.dtype:  # a GEMM on the weight packed at load
             if accumulate:  # rounded, then added, as torch's path (MKL's own accumulation would round differently)
                 out.add_(gemm(x, module.bias))

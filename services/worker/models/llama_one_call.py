@@ -15,6 +15,7 @@ import torch
 
 from services.worker.cpu_kernels import decode_step
 from services.worker.cpu_kernels.library import load_quant
+from services.worker.cpu_kernels.tile_gemm import TileGemm
 from services.worker.quant.formats import FORMAT_CODES, TILE
 
 if TYPE_CHECKING:
@@ -23,10 +24,11 @@ if TYPE_CHECKING:
 
 def all_native(layers: Iterable, takes_gemv: Callable[[object, int], bool], rows: int) -> bool:
     """Whether every product of a decode step of ``rows`` rows takes a kernel that ``kvg_decode_layers`` calls: the
-    native GEMV for float weights (``takes_gemv``), the quantized kernel for one row of tiled packed ones (no GEMM,
-    no AMX tiles, no int8 GEMM: those only Python calls)."""
+    native GEMV for float weights (``takes_gemv``) or their AMX tile GEMM (``TileGemm``), the quantized kernel for
+    one row of tiled packed ones (no other GEMM, no int8 GEMM: those only Python calls)."""
     for module in (m for layer in layers for m in products(layer)):
-        if module.packed is None and not takes_gemv(module.gemm, rows):
+        tiles = isinstance(module.gemm, TileGemm) and module.gemm.takes(rows)
+        if module.packed is None and not tiles and not takes_gemv(module.gemm, rows):
             return False
         if module.packed is not None and (rows != 1 or not module.packed.tiled):
             return False
@@ -55,7 +57,7 @@ def describe(
         eps=path.eps, scale=path.scale, cos=path.model.cos.data_ptr(), sin=path.model.sin.data_ptr(),
         quant_linear=decode_step.address(quant.kvq_linear) if packed else None,
         quant_tiles=decode_step.address(quant.kvq_linear_tiles) if packed else None,
-        team=int(team), layers=layers,
+        team=int(team), gemv_rows=path.pair_rows, layers=layers,
     )  # fmt: skip
     return program, layers
 
@@ -66,13 +68,14 @@ def products(layer) -> tuple:
 
 
 def _step_linear(module) -> decode_step.StepLinear:
-    """One product as ``kvg_decode_layers`` calls it: a float weight on the GEMV, a packed one on the quantized
-    kernel (tiled: ``all_native`` takes no other)."""
+    """One product as ``kvg_decode_layers`` calls it: a float weight on the GEMV, or on its AMX tiles above the GEMV's
+    rows, a packed one on the quantized kernel (tiled: ``all_native`` takes no other)."""
     bias = _address(getattr(module, "bias", None))
     packed = module.packed
     if packed is None:
         n, k = module.weight.shape
-        return decode_step.StepLinear(module.weight.data_ptr(), None, bias, n, k, decode_step.FLOAT_WEIGHT)
+        amx = module.gemm.tiles.data_ptr() if isinstance(module.gemm, TileGemm) else None
+        return decode_step.StepLinear(module.weight.data_ptr(), None, bias, n, k, decode_step.FLOAT_WEIGHT, 0, amx)
     n, k = packed.shape
     tiles = -(-n // TILE)
     if packed.data.nbytes % tiles:

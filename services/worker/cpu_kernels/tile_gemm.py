@@ -1,0 +1,101 @@
+"""bfloat16 GEMMs of decode-sized batches on AMX tiles (``amx_gemm.h``), oneDNN's above.
+
+A decode step of tens of rows is bound by reading the weights. oneDNN's GEMM on weights reordered for it
+(``onednn_gemm``) reads them at ~60% of the memory bandwidth at 64 rows, returns a fresh tensor, and each
+call through torch costs ~20 us (a SmolLM2 step makes 120). ``kvg_tile_linear`` streams a weight copy in
+AMX's tile layout, each thread its own run of columns in order, into the step's buffers, residual adds
+included; from C the one-call decode step (``kvg_decode_layers``) takes it too. Products of more than
+``MAX_ROWS`` rows (prefill chunks) are bound by the multiplies, where oneDNN's blocking is faster: they keep
+its GEMM. So a weight is held twice more (tiles and oneDNN's copy). ``benchmarks/worker_bench.py --dtype
+bfloat16`` times the decode steps.
+
+Numerics: float32 sums over the whole of K in order (tdpbf16ps), the bias added, rounded to bfloat16 as
+torch rounds; accumulating, rounded and then added, as ``out.add_(product)``. oneDNN's products on 16 rows
+are these bit for bit; on more rows it splits K into blocks and adds their sums, so a value differs in
+its last place now and then (bfloat16's contract is the reference's top 5, DESIGN §2). Unlike oneDNN's, a
+row's product does not depend on how many rows share the step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from services.worker.cpu_kernels import library
+from services.worker.cpu_kernels.onednn_gemm import OnednnGemm
+
+MAX_ROWS = 512  # at 512 rows the two are even (2 threads, AMX Xeon); at 2048 oneDNN takes two thirds the time
+ALIGN = 32  # N and K must be multiples of it (the tile layout's groups and chunks)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether this CPU and Linux let this process use AMX-BF16 tiles (and the native kernels build here)."""
+    try:
+        return bool(library.load().kvg_tile_available())
+    except library.NativeKernelsUnavailable:
+        return False
+
+
+def fits(weight: torch.Tensor) -> bool:
+    """Whether a weight's shape takes the tile layout."""
+    return weight.dim() == 2 and weight.shape[0] % ALIGN == 0 and weight.shape[1] % ALIGN == 0
+
+
+def to_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] as [N / 32, K / 32, 16, 32, 2]: per 32 rows and 32 columns, pairs of columns by row."""
+    n, k = weight.shape
+    return weight.view(n // 32, 32, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+class TileGemm:
+    """y = x W^T (+ bias) for a bfloat16 weight [N, K] (N, K multiples of 32): AMX tiles up to MAX_ROWS rows,
+    oneDNN's GEMM above."""
+
+    weights = f"AMX-tiled bfloat16 (oneDNN's reordered above {MAX_ROWS} rows)"  # for the log
+    dtype = torch.bfloat16
+    min_rows = 1
+    writes_into = True  # computes into a given output (rows may be strided), adding to it if asked
+
+    def __init__(self, weight: torch.Tensor):
+        if weight.dtype != torch.bfloat16 or not fits(weight) or weight.device.type != "cpu":
+            raise ValueError(
+                f"the AMX tile GEMM takes a bfloat16 CPU weight of whole 32 x 32 blocks, not {weight.dtype}"
+                f" {tuple(weight.shape)}"
+            )
+        self.n, self.k = weight.shape
+        self.tiles = to_tiles(weight)
+        self.large = OnednnGemm(weight)
+        self.nbytes = self.tiles.nbytes + self.large.nbytes
+        self.lib = library.load()
+
+    def takes(self, rows: int) -> bool:
+        return rows <= MAX_ROWS
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # [..., K] -> [..., N]
+        rows = x.reshape(-1, self.k)
+        if not self.takes(rows.shape[0]):
+            return self.large(x, bias)
+        out = torch.empty(rows.shape[0], self.n, dtype=torch.bfloat16)
+        self.into(rows.contiguous(), out, bias)
+        return out.view(*x.shape[:-1], self.n)
+
+    def into(
+        self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None, accumulate: bool = False
+    ) -> None:
+        """out (+)= x W^T + bias; x's and out's rows may be strided."""
+        rows = x.shape[0]
+        if not self.takes(rows):
+            product = self.large(x, bias)
+            out.add_(product) if accumulate else out.copy_(product)
+            return
+        if x.stride(1) != 1 or out.stride(1) != 1 or x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+            raise ValueError("the AMX tile GEMM takes bfloat16 rows of contiguous values")
+        self.lib.kvg_set_num_threads(torch.get_num_threads())
+        done = self.lib.kvg_tile_linear(
+            x.data_ptr(), x.stride(0), self.tiles.data_ptr(), None if bias is None else bias.data_ptr(),
+            out.data_ptr(), out.stride(0), rows, self.n, self.k, int(accumulate),
+        )  # fmt: skip
+        if not done:
+            raise RuntimeError("AMX tiles were granted at load and are not now")

@@ -1,0 +1,116 @@
+"""bfloat16 products on AMX tiles (``cpu_kernels.tile_gemm``, ``amx_gemm.h``): oneDNN's sums on 16 rows bit for bit,
+any number of rows (a row's product does not depend on the others), bias and accumulation as torch's, oneDNN's
+GEMM above ``MAX_ROWS``; the model's layers take them, the LM head keeps oneDNN's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.cpu_kernels import onednn_gemm, tile_gemm
+from services.worker.setup.build import load_model
+from tests.worker.test_cpu_kernels import TOLERANCE
+from tests.worker.test_onednn_gemm import step_logits
+from tests.worker.tiny import drop_packed_gemms, save_tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not (tile_gemm.available() and onednn_gemm.available()), reason="no AMX-BF16 tiles here (or no oneDNN GEMM)"
+)
+
+
+def bf16(*shape: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator).to(torch.bfloat16)
+
+
+def by_sixteen(gemm: onednn_gemm.OnednnGemm, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's products 16 rows at a time (the last block padded with zero rows): its sums over the whole of K."""
+    rows = x.shape[0]
+    padded = torch.zeros(-(-rows // 16) * 16, x.shape[1], dtype=x.dtype)
+    padded[:rows] = x
+    return torch.cat([gemm(block, bias) for block in padded.split(16)])[:rows]
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (64, 96)])
+@pytest.mark.parametrize("rows", [5, 16, 20, 64, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_products_are_onednns_sixteen_row_sums(n, k, rows, bias):
+    g = torch.Generator().manual_seed(rows + n)
+    w, x = bf16(n, k, generator=g), bf16(rows, k, generator=g)
+    b = bf16(n, generator=g) if bias else None
+    gemm = tile_gemm.TileGemm(w)
+    got = gemm(x, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    assert torch.equal(got, by_sixteen(gemm.large, x, b))
+    assert torch.equal(gemm(x[:3], b), got[:3])  # the same rows alone: the same bits
+
+
+def test_into_strided_rows_and_accumulating():
+    """Rows of x and out strided (a step's views), and out += product rounded as torch's out.add_(product)."""
+    g = torch.Generator().manual_seed(1)
+    w, b = bf16(96, 64, generator=g), bf16(96, generator=g)
+    x = bf16(24, 128, generator=g)[:, :64]  # rows of stride 128
+    gemm = tile_gemm.TileGemm(w)
+    product = gemm(x.contiguous(), b)
+    base = bf16(24, 200, generator=g)
+    out = base.clone()
+    gemm.into(x, out[:, 10:106], b)
+    assert torch.equal(out[:, 10:106], product) and torch.equal(out[:, :10], base[:, :10])
+    out = base.clone()
+    gemm.into(x, out[:, 10:106], b, accumulate=True)
+    assert torch.equal(out[:, 10:106], base[:, 10:106].clone().add_(product))
+
+
+def test_more_rows_than_max_take_onednn(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    w, x = bf16(64, 64, generator=g), bf16(tile_gemm.MAX_ROWS + 1, 64, generator=g)
+    gemm = tile_gemm.TileGemm(w)
+    calls = []
+    product = onednn_gemm.OnednnGemm.__call__
+    monkeypatch.setattr(
+        onednn_gemm.OnednnGemm, "__call__", lambda self, x, b=None: calls.append(x.shape[0]) or product(self, x, b)
+    )
+    assert torch.equal(gemm(x), product(gemm.large, x))
+    gemm(x[: tile_gemm.MAX_ROWS])
+    assert calls == [tile_gemm.MAX_ROWS + 1]
+
+
+def test_shapes_outside_the_layout_are_refused():
+    with pytest.raises(ValueError, match="whole 32 x 32 blocks"):
+        tile_gemm.TileGemm(torch.zeros(48, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="whole 32 x 32 blocks"):
+        tile_gemm.TileGemm(torch.zeros(64, 64))
+
+
+@pytest.mark.parametrize("cpu_kernels", ["torch", "native"])
+def test_model_layers_take_tiles_and_the_lm_head_onednn(tmp_path, cpu_kernels, monkeypatch):
+    """Every product of 1 to 512 rows is on the tiles (18-row prefill; 3- and 1-row decodes where the native GEMV does
+    not take them), none on oneDNN's GEMM; a weight whose shape the tiles do not take keeps oneDNN's; the logits stay
+    close to the unpacked model's."""
+    path = save_tiny_model(str(tmp_path), "qwen2", tie_word_embeddings=True)  # biases on q, k, v
+    loaded = load_model(
+        path, dtype="bfloat16", device="cpu", attention_backend="torch", cpu_kernels=cpu_kernels, upcast_matmuls=False
+    )
+    model = loaded.model
+    linears = [m for m in model.modules() if m.__class__.__name__ == "Linear"]
+    drop_packed_gemms(model)
+    plain = step_logits(loaded)
+    said = model.set_packed_gemms(bf16_units=True)
+    assert said.startswith("every product on AMX-tiled bfloat16 (oneDNN's reordered above 512 rows) weights (+"), said
+    assert all(isinstance(m.gemm, tile_gemm.TileGemm) for m in linears)
+    assert isinstance(model.logits_gemm, tile_gemm.TileGemm)  # the tied embedding's: 160 x 64
+    weights = sum(m.weight.numel() for m in linears) + model.embed_tokens.weight.numel()
+    assert model.packed_gemm_bytes() == 2 * 2 * weights  # tiles and oneDNN's copy
+    rows = []
+    product = onednn_gemm.OnednnGemm.__call__
+    monkeypatch.setattr(
+        onednn_gemm.OnednnGemm, "__call__", lambda self, x, b=None: rows.append(x.shape[0]) or product(self, x, b)
+    )
+    tiled = step_logits(loaded)
+    assert rows == []
+    torch.testing.assert_close(tiled.float(), plain.float(), **TOLERANCE[torch.bfloat16])
+
+    path = save_tiny_model(str(tmp_path / "odd"), "llama", vocab_size=150)  # an LM head of 150 rows
+    model = load_model(path, dtype="bfloat16", device="cpu", cpu_kernels=cpu_kernels, upcast_matmuls=False).model
+    said = model.set_packed_gemms(bf16_units=True)
+    assert "weights (8 of 9), oneDNN's reordered bfloat16 weights (+" in said, said
+    assert isinstance(model.logits_gemm, onednn_gemm.OnednnGemm)
