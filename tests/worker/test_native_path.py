@@ -153,7 +153,7 @@ def test_engine_choice(tmp_path, monkeypatch, caplog):
     gemm = "AMX-tiled bfloat16 (oneDNN's reordered above 512 rows)" if tile_gemm.available() else (
         "oneDNN's reordered bfloat16")  # fmt: skip
     if detect_cpu().bf16_units and library.linear_path() == "avx512-bf16":
-        pairs = "the native GEMV on bfloat16 pairs up to 4 rows"
+        pairs = "the native GEMV on bfloat16 pairs " + ("at 1 row" if tile_gemm.available() else "up to 4 rows")
         assert f"matmuls: {pairs}, the GEMM on {gemm} weights above" in caplog.text
     elif detect_cpu().bf16_units:
         assert f"matmuls: the GEMM on {gemm} weights at every row count" in caplog.text

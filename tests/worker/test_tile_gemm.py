@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.cpu_kernels import onednn_gemm, tile_gemm
+from services.worker.cpu_kernels import library, onednn_gemm, tile_gemm
 from services.worker.setup.build import load_model
 from tests.worker.test_cpu_kernels import TOLERANCE
 from tests.worker.test_onednn_gemm import step_logits
@@ -84,8 +84,8 @@ def test_shapes_outside_the_layout_are_refused():
 @pytest.mark.parametrize("cpu_kernels", ["torch", "native"])
 def test_model_layers_take_tiles_and_the_lm_head_onednn(tmp_path, cpu_kernels, monkeypatch):
     """Every product of 1 to 512 rows is on the tiles (18-row prefill; 3- and 1-row decodes where the native GEMV does
-    not take them), none on oneDNN's GEMM; a weight whose shape the tiles do not take keeps oneDNN's; the logits stay
-    close to the unpacked model's."""
+    not take them: it takes one row where it multiplies bfloat16 pairs), none on oneDNN's GEMM; a weight whose shape
+    the tiles do not take keeps oneDNN's; the logits stay close to the unpacked model's."""
     path = save_tiny_model(str(tmp_path), "qwen2", tie_word_embeddings=True)  # biases on q, k, v
     loaded = load_model(
         path, dtype="bfloat16", device="cpu", attention_backend="torch", cpu_kernels=cpu_kernels, upcast_matmuls=False
@@ -100,6 +100,10 @@ def test_model_layers_take_tiles_and_the_lm_head_onednn(tmp_path, cpu_kernels, m
     assert isinstance(model.logits_gemm, tile_gemm.TileGemm)  # the tied embedding's: 160 x 64
     weights = sum(m.weight.numel() for m in linears) + model.embed_tokens.weight.numel()
     assert model.packed_gemm_bytes() == 2 * 2 * weights  # tiles and oneDNN's copy
+    native = model.native_path
+    if native is not None:  # the GEMV on bfloat16 pairs leads at one row only (llama_cpu.BF16_TILE_PAIR_ROWS)
+        assert native.takes_gemv(model.logits_gemm, 1) == (library.linear_path() == "avx512-bf16")
+        assert not native.takes_gemv(model.logits_gemm, 2) and native.in_one_call(2)
     rows = []
     product = onednn_gemm.OnednnGemm.__call__
     monkeypatch.setattr(

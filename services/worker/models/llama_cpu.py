@@ -66,6 +66,9 @@ BF16_UNITS_NATIVE_ROWS = 4
 # "avx512-bf16"): rows up to which that GEMV leads. Measured with benchmarks/worker_bench.py --dtype bfloat16 on
 # an AMX Xeon, 2 threads, whole decode steps: 1.49x the GEMM at 1 row, 1.41x at 2, 1.12x at 4, 0.83x at 8.
 BF16_PAIR_ROWS = 4
+# The same GEMV against the AMX tile GEMM (cpu_kernels.tile_gemm), same benchmark and machine, in decode steps/s:
+# 1.06x the tiles at 1 row, 0.92x at 2, 0.79x at 3, 0.8x at 4: the tiles multiply 16 rows for the price of one.
+BF16_TILE_PAIR_ROWS = 1
 
 
 def gemv_rows(dtype: torch.dtype, bf16_units: bool) -> int:
@@ -104,6 +107,7 @@ class NativeCpuPath:
         self.native_rows = gemv_rows(dtype, detect_cpu().bf16_units)
         pairs = dtype == torch.bfloat16 and linear_path() == "avx512-bf16"
         self.pair_rows = BF16_PAIR_ROWS if pairs else 0  # rows the GEMV takes ahead of a bfloat16 GEMM
+        self.tile_pair_rows = BF16_TILE_PAIR_ROWS if pairs else 0  # ... ahead of the AMX tile GEMM
         self.prefill_lib, self.prefill_path = _prefill_kernel(a.head_dim, a.num_heads // a.num_kv_heads)
         if any(a.layer_windows):  # the native prefill kernel reads whole contexts: windowed chunks go to the backend
             self.prefill_lib, self.prefill_path = None, "SDPA (sliding-window layers)"
@@ -131,8 +135,9 @@ class NativeCpuPath:
         if self.model.logits_module.packed is not None:
             return "packed weights through the quantized linear (see the CPU line)"
         gemm = self.model.logits_gemm
-        if gemm is not None and gemm.dtype == torch.bfloat16 and self.pair_rows:
-            pairs = f"the native GEMV on bfloat16 pairs up to {self.pair_rows} rows"
+        pair_rows = self.tile_pair_rows if isinstance(gemm, TileGemm) else self.pair_rows
+        if gemm is not None and gemm.dtype == torch.bfloat16 and pair_rows:
+            pairs = "the native GEMV on bfloat16 pairs " + ("at 1 row" if pair_rows == 1 else f"up to {pair_rows} rows")
             return f"{pairs}, the GEMM on {gemm.weights} weights above"
         if gemm is not None and gemm.min_rows == 1:
             return f"the GEMM on {gemm.weights} weights at every row count"
@@ -142,9 +147,12 @@ class NativeCpuPath:
 
     def takes_gemv(self, gemm, rows: int) -> bool:
         """Whether an unquantized product of ``rows`` rows takes the native GEMV rather than a GEMM: below the
-        packed GEMM's own row minimum (or ``pair_rows`` for a bfloat16 one), or up to ``native_rows`` without one."""
+        packed GEMM's own row minimum (or ``pair_rows`` for a bfloat16 one, ``tile_pair_rows`` for AMX tiles), or
+        up to ``native_rows`` without one."""
         if gemm is None:
             return rows <= self.native_rows
+        if isinstance(gemm, TileGemm):
+            return rows <= self.tile_pair_rows
         return rows < gemm.min_rows or (rows <= self.pair_rows and gemm.dtype == torch.bfloat16)
 
     def linear(self, module, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
@@ -205,8 +213,8 @@ class NativeCpuPath:
 
     def in_one_call(self, rows: int) -> bool:
         """Whether every product of a decode step of ``rows`` rows takes a kernel that ``kvg_decode_layers`` calls:
-        the native GEMV for float weights, the quantized kernel for one row of tiled packed ones (no GEMM, no AMX
-        tiles, no int8 GEMM: those only Python calls)."""
+        the native GEMV or AMX tile GEMM for float weights, the quantized kernel for one row of tiled packed ones
+        (no other GEMM, no int8 GEMM: those only Python calls)."""
         if rows not in self._in_one_call:
             self._in_one_call[rows] = one_call.all_native(self.model.layers, self.takes_gemv, rows)
         return self._in_one_call[rows]
