@@ -97,10 +97,11 @@ def test_rms_norm(lib, dtype, two_threads, rows, width):
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 5), (3, 77), (64, 4099)])
-def test_argmax_rows(lib, two_threads, rows, vocab):
-    """torch.argmax of padded rows: the first of tied maxima (in one lane, across lanes, in the
-    tail), the first NaN of a row that has any, and -inf rows."""
-    padded = randn(rows, vocab + 3, dtype=torch.float32, seed=20)
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_argmax_rows(lib, two_threads, rows, vocab, dt):
+    """torch.argmax of padded rows (bfloat16 ones widened as they are read): the first of tied maxima (in
+    one lane, across lanes, in the tail), the first NaN of a row that has any, and -inf rows."""
+    padded = randn(rows, vocab + 3, dtype=dt, seed=20)
     padded[:, vocab:] = 1e30  # padding past the vocabulary never wins
     logits = padded[:, :vocab]
     if rows > 1:
@@ -111,8 +112,8 @@ def test_argmax_rows(lib, two_threads, rows, vocab):
         logits[4, [30, 1000]] = float("nan")
         logits[4, 7] = float("inf")
     out = torch.empty(rows, dtype=torch.int64)
-    lib.kvg_argmax_rows(logits.data_ptr(), logits.stride(0), rows, vocab, out.data_ptr())
-    assert out.tolist() == logits.argmax(dim=-1).tolist()
+    lib.kvg_argmax_rows(logits.data_ptr(), logits.stride(0), rows, vocab, out.data_ptr(), int(dt == torch.bfloat16))
+    assert out.tolist() == logits.float().argmax(dim=-1).tolist()
 
 
 def test_greedy_sampler_takes_native_argmax(tmp_path, lib):

@@ -353,23 +353,24 @@ void kvg_rope_write_kv(void *qkv, int64_t ldq, const void *cos, const void *sin,
 /* ---- greedy sampling --------------------------------------------------------------------- */
 
 /*
- * out[m] = argmax of float32 row m of x ([M, N], row stride ldx), as torch.argmax: the first index
- * of the largest value, or of the first NaN when the row has one. Eight lanes each keep their
- * first maximum; the lanes' winners are merged by value, then index. torch's own argmax over a
+ * out[m] = argmax of row m of x ([M, N] of dtype dt, row stride ldx), as torch.argmax of the rows in
+ * float32: the first index of the largest value, or of the first NaN when the row has one (bfloat16
+ * widens to float32 exactly, so a bfloat16 row needs no float32 copy first). Eight lanes each keep
+ * their first maximum; the lanes' winners are merged by value, then index. torch's own argmax over a
  * whole vocabulary is a visible share of a large batch's step (benchmarks/sampling_bench.py's greedy case).
  */
-void kvg_argmax_rows(const float *x, int64_t ldx, int M, int64_t N, int64_t *out) {
+void kvg_argmax_rows(const void *x, int64_t ldx, int M, int64_t N, int64_t *out, int dt) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * N > 65536)
     for (int m = 0; m < M; m++) {
-        const float *row = x + (int64_t)m * ldx;
+        const int64_t row = (int64_t)m * ldx;
         int64_t best = 0;
         int64_t i = 0;
         if (N >= 8) {
-            __m256 top = _mm256_loadu_ps(row), nan = _mm256_cmp_ps(top, top, _CMP_UNORD_Q);
+            __m256 top = load8(x, row, dt), nan = _mm256_cmp_ps(top, top, _CMP_UNORD_Q);
             __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx = at;
             const __m256i step = _mm256_set1_epi32(8);
             for (i = 8; i + 8 <= N; i += 8) {
-                const __m256 v = _mm256_loadu_ps(row + i);
+                const __m256 v = load8(x, row + i, dt);
                 idx = _mm256_add_epi32(idx, step);
                 const __m256 gt = _mm256_cmp_ps(v, top, _CMP_GT_OQ);
                 nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
@@ -384,16 +385,19 @@ void kvg_argmax_rows(const float *x, int64_t ldx, int M, int64_t N, int64_t *out
                 _mm256_storeu_ps(tops, top);
                 _mm256_storeu_si256((__m256i *)ats, at);
                 best = ats[0];
-                for (int l = 1; l < 8; l++)
-                    if (tops[l] > row[best] || (tops[l] == row[best] && ats[l] < best)) best = ats[l];
+                for (int l = 1; l < 8; l++) {
+                    const float leader = load1(x, row + best, dt);
+                    if (tops[l] > leader || (tops[l] == leader && ats[l] < best)) best = ats[l];
+                }
             }
         }
         for (; i < N; i++) {
-            if (row[i] != row[i]) {
+            const float v = load1(x, row + i, dt);
+            if (v != v) {
                 best = i;
                 break;
             }
-            if (row[i] > row[best]) best = i;
+            if (v > load1(x, row + best, dt)) best = i;
         }
         out[m] = best;
     }

@@ -71,8 +71,8 @@ _SIGNATURES = {
     # x, ldx, w (AMX tiles), bias, y, ldy, M, N, K, accumulate -> 1, or 0 without AMX (amx_gemm.h)
     "kvg_tile_linear": (c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int64, c_int64, c_int),
     "kvg_tile_available": (),
-    # x, ldx, M, N, out (int64)
-    "kvg_argmax_rows": (c_void_p, c_int64, c_int, c_int64, c_void_p),
+    # x, ldx, M, N, out (int64), dtype
+    "kvg_argmax_rows": (c_void_p, c_int64, c_int, c_int64, c_void_p, c_int),
     # x, y, n (the attention's exp, for the tests)
     "kvg_exp": (c_void_p, c_void_p, c_int64),
     "kvg_decode_layers": decode_step.SIGNATURE,

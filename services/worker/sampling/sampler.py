@@ -41,14 +41,17 @@ def position_seed(seed: int, position: int) -> int:
 
 
 def _native_argmax(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int]:
-    """torch.argmax(logits, -1) of float32 CPU rows (the first maximum, or the first NaN), through
-    the decode kernels' ``kvg_argmax_rows``."""
+    """torch.argmax(logits.float(), -1) of float32 or bfloat16 CPU rows (the first maximum, or the first NaN),
+    through the decode kernels' ``kvg_argmax_rows``, which widens bfloat16 as it reads."""
+    if logits.dtype not in (torch.float32, torch.bfloat16):
+        logits = logits.float()
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64)
     lib.kvg_set_num_threads(torch.get_num_threads())
-    lib.kvg_argmax_rows(logits.data_ptr(), logits.stride(0), rows, vocab, out.data_ptr())
+    dtype = int(logits.dtype == torch.bfloat16)  # scalar.h's codes
+    lib.kvg_argmax_rows(logits.data_ptr(), logits.stride(0), rows, vocab, out.data_ptr(), dtype)
     return out.tolist()
 
 
@@ -89,13 +92,14 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         if all(r.plain_greedy for r in requests):
             # Hot path: one argmax over the batch. On CUDA it reads bf16 as is; on the CPU the
-            # native kernel takes float32 rows (torch's CPU argmax is slower on bf16 than an upcast
-            # and its float32 one, and the native argmax beats both; benchmarks/sampling_bench.py's
-            # greedy case times the upcast and torch's argmax: its Sampler has no native kernels).
+            # native kernel reads float32 or bf16 rows as they are (torch's CPU argmax is slower on bf16
+            # than an upcast and its float32 one, and the native argmax beats both;
+            # benchmarks/sampling_bench.py's greedy case times the upcast and torch's argmax: its Sampler
+            # has no native kernels).
+            if logits.device.type == "cpu" and self.cpu_kernels is not None:
+                return SamplerOutput(_native_argmax(self.cpu_kernels, logits), [None] * len(requests))
             if logits.device.type == "cpu":
                 logits = logits.float()
-                if self.cpu_kernels is not None:
-                    return SamplerOutput(_native_argmax(self.cpu_kernels, logits), [None] * len(requests))
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         return self._sample_full(logits.to(torch.float32, copy=True), requests)
 
