@@ -118,3 +118,17 @@ def test_model_layers_take_tiles_and_the_lm_head_onednn(tmp_path, cpu_kernels, m
     said = model.set_packed_gemms(bf16_units=True)
     assert "weights (8 of 9), oneDNN's reordered bfloat16 weights (+" in said, said
     assert isinstance(model.logits_gemm, onednn_gemm.OnednnGemm)
+
+
+def test_native_path_uses_onednns_own_output_above_max_rows(tmp_path):
+    """Up to MAX_ROWS rows the tiles write into the step's buffer; above, the path hands on the tensor oneDNN wrote
+    (a copy of a prefill chunk's products into the buffer cost as much as a small product)."""
+    loaded = load_model(save_tiny_model(str(tmp_path), "llama"), dtype="bfloat16", device="cpu")
+    native, module = loaded.model.native_path, loaded.model.layers[0].mlp.gate_up_proj
+    n, k = module.weight.shape
+    g = torch.Generator().manual_seed(4)
+    x, out = bf16(tile_gemm.MAX_ROWS + 1, k, generator=g), torch.empty(tile_gemm.MAX_ROWS + 1, n, dtype=torch.bfloat16)
+    got = native.linear(module, x, out)
+    assert got.data_ptr() != out.data_ptr() and torch.equal(got, module.gemm.large(x))
+    small = native.linear(module, x[:8], out[:8])
+    assert small.data_ptr() == out.data_ptr() and torch.equal(small, module.gemm(x[:8]))

@@ -173,9 +173,11 @@ class NativeCpuPath:
             )  # fmt: skip
             return out
         gemm = module.gemm
-        if isinstance(gemm, TileGemm) and gemm.takes(rows):  # adds as below, in the kernel
-            gemm.into(x, out, module.bias, accumulate)
-            return out
+        if isinstance(gemm, TileGemm):
+            if gemm.takes(rows):  # adds as below, in the kernel
+                gemm.into(x, out, module.bias, accumulate)
+                return out
+            gemm = gemm.large  # oneDNN's, below: its own output, not a copy of it
         if gemm is not None and out.dtype == gemm.dtype:  # a GEMM on the weight packed at load
             if accumulate:  # rounded, then added, as torch's path (MKL's own accumulation would round differently)
                 out.add_(gemm(x, module.bias))
