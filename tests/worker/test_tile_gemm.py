@@ -113,6 +113,11 @@ def test_model_layers_take_tiles_and_the_lm_head_onednn(tmp_path, cpu_kernels, m
     assert rows == []
     torch.testing.assert_close(tiled.float(), plain.float(), **TOLERANCE[torch.bfloat16])
 
+    drop_packed_gemms(model)  # both copies over the limit: oneDNN's alone, as without tiles
+    said = model.set_packed_gemms(limit=2 * 2 * weights - 1, bf16_units=True)
+    assert said.startswith("every product on oneDNN's reordered bfloat16 weights (+"), said
+    assert not any(isinstance(m.gemm, tile_gemm.TileGemm) for m in linears)
+
     path = save_tiny_model(str(tmp_path / "odd"), "llama", vocab_size=150)  # an LM head of 150 rows
     model = load_model(path, dtype="bfloat16", device="cpu", cpu_kernels=cpu_kernels, upcast_matmuls=False).model
     said = model.set_packed_gemms(bf16_units=True)

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 FLOAT32_COPY_LIMIT = 2**30  # bytes of float32 weight copies set_upcast_matmuls may keep
-PACKED_GEMM_LIMIT = 2**31  # bytes of weights set_packed_gemms packs (as many again resident)
+PACKED_GEMM_LIMIT = 2**31  # bytes set_packed_gemms adds resident (a copy per packed weight; AMX tiles: two)
 
 
 @dataclass(slots=True)
@@ -271,8 +271,9 @@ class LlamaForCausalLM(nn.Module):
         most ``limit`` bytes: float32 ones (or set_upcast_matmuls' float32 copies, which the packed ones
         replace) for MKL's packed GEMM (``cpu_kernels.mkl_gemm``), taking products of 2+ rows; bfloat16 ones,
         on a CPU with bfloat16 units, reordered for oneDNN's (``cpu_kernels.onednn_gemm``), taking every
-        product (those of up to ``tile_gemm.MAX_ROWS`` rows on AMX tiles where the CPU has them and the shape takes
-        them: ``cpu_kernels.tile_gemm``). Call after set_upcast_matmuls; returns what it did, for the log."""
+        product (those of up to ``tile_gemm.MAX_ROWS`` rows on AMX tiles where the CPU has them, the shape takes
+        them and both copies fit the limit: ``cpu_kernels.tile_gemm``). Call after set_upcast_matmuls; returns what
+        it did, for the log."""
 
         def source(module: Linear | Embedding, copy: torch.Tensor | None) -> torch.Tensor | None:
             weight = module.weight if copy is None else copy
@@ -295,7 +296,8 @@ class LlamaForCausalLM(nn.Module):
             return f"torch has no GEMM on {gemm.weights} weights here"
         if total > limit:
             return f"{total / 2**20:.0f} MiB of weights is over the {limit / 2**20:.0f} MiB limit"
-        tiles = gemm is OnednnGemm and tile_gemm.available()  # AMX: decode batches on tiles where shapes take them
+        # AMX: decode batches on tiles where shapes take them, a second copy beside oneDNN's (within the limit too)
+        tiles = gemm is OnednnGemm and tile_gemm.available() and 2 * total <= limit
 
         def pack(weight: torch.Tensor) -> PackedGemm | OnednnGemm | TileGemm:
             return TileGemm(weight) if tiles and tile_gemm.fits(weight) else gemm(weight)
@@ -307,18 +309,18 @@ class LlamaForCausalLM(nn.Module):
         if self.native_path is not None:
             self.native_path.forget_plans()
         products = "every product" if gemm.min_rows == 1 else f"products of {gemm.min_rows}+ rows"
-        gemms = {id(g): g for g in [*(m.gemm for m in linears), self.logits_gemm] if g is not None}.values()
-        tiled = sum(isinstance(g, TileGemm) for g in gemms)
-        on = f"{gemm.weights} weights"
-        if tiled:
+        on, gemms = f"{gemm.weights} weights", self.packed_gemms()
+        if tiled := sum(isinstance(g, TileGemm) for g in gemms):
             on = f"{TileGemm.weights} weights" + ("" if tiled == len(gemms) else f" ({tiled} of {len(gemms)}), {on}")
         return f"{products} on {on} (+{self.packed_gemm_bytes() / 2**20:.0f} MiB)"
 
+    def packed_gemms(self) -> list:
+        """The GEMMs set_packed_gemms made, each once (a tied LM head's is its embedding's)."""
+        gemms = [m.gemm for m in self.modules() if isinstance(m, Linear)] + [self.logits_gemm]
+        return list({id(g): g for g in gemms if g is not None}.values())
+
     def packed_gemm_bytes(self) -> int:
-        gemms = {id(m.gemm): m.gemm for m in self.modules() if isinstance(m, Linear) and m.gemm is not None}
-        if self.logits_gemm is not None:
-            gemms[id(self.logits_gemm)] = self.logits_gemm
-        return sum(g.nbytes for g in gemms.values())
+        return sum(g.nbytes for g in self.packed_gemms())
 
     def set_upcast_matmuls(self, enabled: bool, float32_copy_limit: int = FLOAT32_COPY_LIMIT) -> None:
         """Half-precision weights multiplied in float32 (see ``Linear``); for CPUs without bf16 units.
