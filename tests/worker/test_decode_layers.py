@@ -62,7 +62,7 @@ def decode_logits(loaded, num_requests: int, one_call: bool, steps: int = 4) -> 
     ]  # interleaved blocks
     run_logits(runner, requests)
     native._in_one_call[num_requests] = one_call and llama_one_call.all_native(
-        native.model.layers, native.takes_gemv, num_requests
+        native.model.layers, native.rows.takes_gemv, num_requests
     )
     logits = []
     for _ in range(steps):

@@ -60,7 +60,7 @@ def test_model_decode_steps_equal_torch_path(tmp_path, dtype, kind, overrides, n
             expected = runner.compute_logits(inputs)
             loaded.model.set_native_path(native)  # rewrites the same cache slots with the same values
             ours = runner.compute_logits(inputs)
-        if num_requests <= native.native_rows and loaded.model.logits_gemm is None:  # the native GEMV's: model dtype
+        if num_requests <= native.rows.native and loaded.model.logits_gemm is None:  # the native GEMV's: model dtype
             assert ours.dtype == dt
         torch.testing.assert_close(ours.float(), expected.float(), **TOLERANCE[dt])
         if dt == torch.float32:  # bf16 logits of a random tiny model tie within rounding

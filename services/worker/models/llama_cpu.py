@@ -18,15 +18,14 @@ and the copies between them cost a share of the step that the native ones mostly
 pick their kernel by row count (``Linear.gemm``, the weight packed at load): float32 weights take
 the native GEMV for one row and MKL's GEMM on packed weights above (written straight into this
 path's buffers, and ahead of the GEMV from two rows); bfloat16 weights on a CPU with bfloat16
-units take the native GEMV on bfloat16 pairs (AVX512-BF16) up to ``BF16_PAIR_ROWS`` rows, where it
-streams the weights faster than any GEMM, and oneDNN's GEMM on weights reordered for those units
-above (``cpu_kernels.onednn_gemm``; at every row count where the GEMV can only widen to float32); where the CPU has
-AMX-BF16, the layers' products up to ``tile_gemm.MAX_ROWS`` rows take AMX tiles instead (``cpu_kernels.tile_gemm``,
-into this path's buffers, from the one-call step too).
-Without a packed GEMM, the native GEMV up to ``gemv_rows`` rows (16; 4 for bfloat16 with bfloat16
-units) and torch's GEMM above (compute-bound there, where MKL is faster); packed weights
-(``--quantization``) take ``quant.matmul``. Same weights, same KV cache, same numerics op for op
-(see the C files).
+units take the native GEMV on bfloat16 pairs (AVX512-BF16) for a few rows, where it streams the
+weights faster than any GEMM, and oneDNN's GEMM on weights reordered for those units above
+(``cpu_kernels.onednn_gemm``; at every row count where the GEMV can only widen to float32); where the
+CPU has AMX-BF16, products up to ``tile_gemm.MAX_ROWS`` rows take AMX tiles instead
+(``cpu_kernels.tile_gemm``, into this path's buffers, from the one-call step too). Without a packed
+GEMM, the native GEMV up to a few rows and torch's GEMM above (compute-bound there, where MKL is
+faster); ``gemv_rows`` holds every limit. Packed weights (``--quantization``) take
+``quant.matmul``. Same weights, same KV cache, same numerics op for op (see the C files).
 """
 
 from __future__ import annotations
@@ -40,40 +39,14 @@ from services.worker.cpu_kernels import decode_step
 from services.worker.cpu_kernels.library import (
     DTYPE_CODES,
     NativeKernelsUnavailable,
-    linear_path,
     load_prefill,
     load_quant,
 )
 from services.worker.cpu_kernels.tile_gemm import TileGemm
 from services.worker.models import llama_one_call as one_call
+from services.worker.models.gemv_rows import GemvRows
 from services.worker.quant.formats import FORMAT_CODES
 from services.worker.quant.matmul import DEQUANTIZE_ROWS, linear_into, packed_linear
-from services.worker.setup.cpu_features import detect as detect_cpu
-
-# Float weights without a packed GEMM: rows up to which the native GEMV beats torch's GEMM. The GEMV reads each weight
-# from memory once per step for all its rows (the other rows find it in L1), so it leads while a step is bound by
-# reading the weights; as rows grow the multiply-adds dominate and torch's blocked GEMM overtakes it (bfloat16 weights
-# sooner than float32 ones). benchmarks/worker_bench.py measures where: whole decode steps by --batch-sizes,
-# --cpu-kernels native against torch.
-NATIVE_ROWS = 16
-# bfloat16 on a CPU with bfloat16 dot products (AVX512-BF16, AMX), where torch's GEMM (oneDNN) uses them and the GEMV
-# (which widens to float32) does not, so the GEMM overtakes the GEMV within a few rows. The count follows the layers'
-# products, most of a step (the LM head's wide product alone crosses sooner); the same benchmark with --dtype bfloat16
-# measures it on such a CPU.
-# Only where torch cannot reorder the weights for oneDNN (cpu_kernels.onednn_gemm), which then takes every row count.
-BF16_UNITS_NATIVE_ROWS = 4
-# bfloat16 weights with a reordered oneDNN GEMM, on a CPU whose GEMV multiplies bfloat16 pairs (LINEAR_PATHS'
-# "avx512-bf16"): rows up to which that GEMV leads. Measured with benchmarks/worker_bench.py --dtype bfloat16 on
-# an AMX Xeon, 2 threads, whole decode steps: 1.49x the GEMM at 1 row, 1.41x at 2, 1.12x at 4, 0.83x at 8.
-BF16_PAIR_ROWS = 4
-# The same GEMV against the AMX tile GEMM (cpu_kernels.tile_gemm), same benchmark and machine, in decode steps/s:
-# 1.06x the tiles at 1 row, 0.92x at 2, 0.79x at 3, 0.8x at 4: the tiles multiply 16 rows for the price of one.
-BF16_TILE_PAIR_ROWS = 1
-
-
-def gemv_rows(dtype: torch.dtype, bf16_units: bool) -> int:
-    """Rows up to which float weights without a packed GEMM take the native GEMV (above: torch's GEMM)."""
-    return BF16_UNITS_NATIVE_ROWS if dtype == torch.bfloat16 and bf16_units else NATIVE_ROWS
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -104,10 +77,7 @@ class NativeCpuPath:
             if not p.is_contiguous() or p.device.type != "cpu":
                 raise ValueError("the native CPU kernels need contiguous CPU weights")
         self.lib, self.model = lib, model
-        self.native_rows = gemv_rows(dtype, detect_cpu().bf16_units)
-        pairs = dtype == torch.bfloat16 and linear_path() == "avx512-bf16"
-        self.pair_rows = BF16_PAIR_ROWS if pairs else 0  # rows the GEMV takes ahead of a bfloat16 GEMM
-        self.tile_pair_rows = BF16_TILE_PAIR_ROWS if pairs else 0  # ... ahead of the AMX tile GEMM
+        self.rows = GemvRows.for_dtype(dtype)  # up to which products take the native GEMV
         self.prefill_lib, self.prefill_path = _prefill_kernel(a.head_dim, a.num_heads // a.num_kv_heads)
         if any(a.layer_windows):  # the native prefill kernel reads whole contexts: windowed chunks go to the backend
             self.prefill_lib, self.prefill_path = None, "SDPA (sliding-window layers)"
@@ -134,26 +104,7 @@ class NativeCpuPath:
         """Which kernels the matmuls take by row count, for the log."""
         if self.model.logits_module.packed is not None:
             return "packed weights through the quantized linear (see the CPU line)"
-        gemm = self.model.logits_gemm
-        pair_rows = self.tile_pair_rows if isinstance(gemm, TileGemm) else self.pair_rows
-        if gemm is not None and gemm.dtype == torch.bfloat16 and pair_rows:
-            pairs = "the native GEMV on bfloat16 pairs " + ("at 1 row" if pair_rows == 1 else f"up to {pair_rows} rows")
-            return f"{pairs}, the GEMM on {gemm.weights} weights above"
-        if gemm is not None and gemm.min_rows == 1:
-            return f"the GEMM on {gemm.weights} weights at every row count"
-        if gemm is not None:  # from 2 rows
-            return f"the native GEMV at 1 row, the GEMM on {gemm.weights} weights above"
-        return f"the native GEMV up to {self.native_rows} rows, torch's GEMM above"
-
-    def takes_gemv(self, gemm, rows: int) -> bool:
-        """Whether an unquantized product of ``rows`` rows takes the native GEMV rather than a GEMM: below the
-        packed GEMM's own row minimum (or ``pair_rows`` for a bfloat16 one, ``tile_pair_rows`` for AMX tiles), or
-        up to ``native_rows`` without one."""
-        if gemm is None:
-            return rows <= self.native_rows
-        if isinstance(gemm, TileGemm):
-            return rows <= self.tile_pair_rows
-        return rows < gemm.min_rows or (rows <= self.pair_rows and gemm.dtype == torch.bfloat16)
+        return self.rows.describe(self.model.logits_gemm)
 
     def linear(self, module, x: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
         """out (+)= module(x), out's rows possibly strided: the kernel for this row count and weight. Returns the
@@ -165,7 +116,7 @@ class NativeCpuPath:
                 return out
             linear_into(x, module.packed, module.bias, out, accumulate)
             return out
-        if module.packed is None and self.takes_gemv(module.gemm, rows):
+        if module.packed is None and self.rows.takes_gemv(module.gemm, rows):
             n, k = module.weight.shape
             self.lib.kvg_linear(
                 x.data_ptr(), module.weight.data_ptr(), _ptr(module.bias), out.data_ptr(), out.stride(0), rows, n, k,
@@ -218,7 +169,7 @@ class NativeCpuPath:
         the native GEMV or AMX tile GEMM for float weights, the quantized kernel for one row of tiled packed ones
         (no other GEMM, no int8 GEMM: those only Python calls)."""
         if rows not in self._in_one_call:
-            self._in_one_call[rows] = one_call.all_native(self.model.layers, self.takes_gemv, rows)
+            self._in_one_call[rows] = one_call.all_native(self.model.layers, self.rows.takes_gemv, rows)
         return self._in_one_call[rows]
 
     def layers_program(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> decode_step.StepModel:
@@ -347,7 +298,7 @@ class NativeCpuPath:
                 linear_into(normed, module.packed, None, out)
             return out
         weight = module.weight
-        if not self.takes_gemv(model.logits_gemm, rows):
+        if not self.rows.takes_gemv(model.logits_gemm, rows):
             return model.unpacked_logits(normed)
         vocab = weight.shape[0]
         out = torch.empty(rows, vocab, dtype=self.dtype)

@@ -57,7 +57,7 @@ def describe(
         eps=path.eps, scale=path.scale, cos=path.model.cos.data_ptr(), sin=path.model.sin.data_ptr(),
         quant_linear=decode_step.address(quant.kvq_linear) if packed else None,
         quant_tiles=decode_step.address(quant.kvq_linear_tiles) if packed else None,
-        team=int(team), gemv_rows=path.tile_pair_rows, layers=layers,
+        team=int(team), gemv_rows=path.rows.tile_pairs, layers=layers,
     )  # fmt: skip
     return program, layers
 
