@@ -72,6 +72,8 @@ def test_more_rows_than_max_take_onednn(monkeypatch):
     assert torch.equal(gemm(x), product(gemm.large, x))
     gemm(x[: tile_gemm.MAX_ROWS])
     assert calls == [tile_gemm.MAX_ROWS + 1]
+    with pytest.raises(ValueError, match="up to 512 rows"):  # into: the caller takes oneDNN's own output
+        gemm.into(x, torch.empty(x.shape[0], 64, dtype=torch.bfloat16))
 
 
 def test_shapes_outside_the_layout_are_refused():
@@ -101,9 +103,9 @@ def test_model_layers_take_tiles_and_the_lm_head_onednn(tmp_path, cpu_kernels, m
     weights = sum(m.weight.numel() for m in linears) + model.embed_tokens.weight.numel()
     assert model.packed_gemm_bytes() == 2 * 2 * weights  # tiles and oneDNN's copy
     native = model.native_path
-    if native is not None:  # the GEMV on bfloat16 pairs leads at one row only (llama_cpu.BF16_TILE_PAIR_ROWS)
-        assert native.takes_gemv(model.logits_gemm, 1) == (library.linear_path() == "avx512-bf16")
-        assert not native.takes_gemv(model.logits_gemm, 2) and native.in_one_call(2)
+    if native is not None:  # the GEMV on bfloat16 pairs leads at one row only (gemv_rows.BF16_TILE_PAIR_ROWS)
+        assert native.rows.takes_gemv(model.logits_gemm, 1) == (library.linear_path() == "avx512-bf16")
+        assert not native.rows.takes_gemv(model.logits_gemm, 2) and native.in_one_call(2)
     rows = []
     product = onednn_gemm.OnednnGemm.__call__
     monkeypatch.setattr(

@@ -56,7 +56,7 @@ class TileGemm:
     weights = f"AMX-tiled bfloat16 (oneDNN's reordered above {MAX_ROWS} rows)"  # for the log
     dtype = torch.bfloat16
     min_rows = 1
-    writes_into = True  # computes into a given output (rows may be strided), adding to it if asked
+    writes_into = True  # up to MAX_ROWS rows, into a given output (rows may be strided), adding to it if asked
 
     def __init__(self, weight: torch.Tensor):
         if weight.dtype != torch.bfloat16 or not fits(weight) or weight.device.type != "cpu":
@@ -84,12 +84,11 @@ class TileGemm:
     def into(
         self, x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None, accumulate: bool = False
     ) -> None:
-        """out (+)= x W^T + bias; x's and out's rows may be strided."""
+        """out (+)= x W^T + bias for up to MAX_ROWS rows (above, call ``large``: its own output, no copy); x's and
+        out's rows may be strided."""
         rows = x.shape[0]
         if not self.takes(rows):
-            product = self.large(x, bias)
-            out.add_(product) if accumulate else out.copy_(product)
-            return
+            raise ValueError(f"the AMX tile GEMM takes up to {MAX_ROWS} rows, not {rows}: oneDNN's (large) above")
         if x.stride(1) != 1 or out.stride(1) != 1 or x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
             raise ValueError("the AMX tile GEMM takes bfloat16 rows of contiguous values")
         self.lib.kvg_set_num_threads(torch.get_num_threads())

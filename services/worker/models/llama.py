@@ -20,13 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
-from services.worker.cpu_kernels import mkl_gemm, onednn_gemm, tile_gemm
-from services.worker.cpu_kernels.mkl_gemm import PackedGemm
-from services.worker.cpu_kernels.onednn_gemm import OnednnGemm
-from services.worker.cpu_kernels.tile_gemm import TileGemm
 from services.worker.layers.linear import Embedding, Linear
 from services.worker.layers.norm import RMSNorm
 from services.worker.layers.rope import apply_rotary, cos_sin_tables
+from services.worker.models import packed_gemms
+from services.worker.models.packed_gemms import PACKED_GEMM_LIMIT
 from services.worker.quant.formats import PackedWeight
 from services.worker.quant.install import add_amx_copies, install_gguf
 from services.worker.quant.matmul import packed_linear
@@ -36,7 +34,6 @@ if TYPE_CHECKING:
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 FLOAT32_COPY_LIMIT = 2**30  # bytes of float32 weight copies set_upcast_matmuls may keep
-PACKED_GEMM_LIMIT = 2**31  # bytes set_packed_gemms adds resident (a copy per packed weight; AMX tiles: two)
 
 
 @dataclass(slots=True)
@@ -201,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
         self.cos: torch.Tensor | None = None  # [max_positions, D], see rope.cos_sin_tables
         self.upcast_matmuls = False
         self.logits_weight_f32: torch.Tensor | None = None  # float32 copy of the logits weight, see set_upcast_matmuls
-        self.logits_gemm: PackedGemm | OnednnGemm | None = None  # the logits weight packed, see set_packed_gemms
+        self.logits_gemm: packed_gemms.Gemm | None = None  # the logits weight packed, see set_packed_gemms
         self.sin: torch.Tensor | None = None
         # Every step on CPU through the native kernels (see llama_cpu.py); set by the engine.
         self.native_path: NativeCpuPath | None = None
@@ -267,60 +264,11 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(normed, weight)
 
     def set_packed_gemms(self, limit: int = PACKED_GEMM_LIMIT, bf16_units: bool = False) -> str:
-        """Matmul weights packed once for their GEMM, when torch has that GEMM and the weights come to at
-        most ``limit`` bytes: float32 ones (or set_upcast_matmuls' float32 copies, which the packed ones
-        replace) for MKL's packed GEMM (``cpu_kernels.mkl_gemm``), taking products of 2+ rows; bfloat16 ones,
-        on a CPU with bfloat16 units, reordered for oneDNN's (``cpu_kernels.onednn_gemm``), taking every
-        product (those of up to ``tile_gemm.MAX_ROWS`` rows on AMX tiles where the CPU has them, the shape takes
-        them and both copies fit the limit: ``cpu_kernels.tile_gemm``). Call after set_upcast_matmuls; returns what
-        it did, for the log."""
-
-        def source(module: Linear | Embedding, copy: torch.Tensor | None) -> torch.Tensor | None:
-            weight = module.weight if copy is None else copy
-            reorder = weight.dtype == torch.bfloat16 and bf16_units and not self.upcast_matmuls
-            return weight if module.packed is None and (weight.dtype == torch.float32 or reorder) else None
-
-        if self.embed_tokens.weight.device.type != "cpu":
-            return "the weights are not on the CPU"
-        logits = self.logits_module
-        linears = {m: source(m, m.weight_f32) for m in self.modules() if isinstance(m, Linear)}
-        linears = {m: w for m, w in linears.items() if w is not None}
-        logits_source = None if logits in linears else source(logits, self.logits_weight_f32)
-        sources = [*linears.values(), *([] if logits_source is None else [logits_source])]
-        if not sources:
-            return "no float32 weights (nor bfloat16 ones with bfloat16 units) to pack"
-        gemm, available = (PackedGemm, mkl_gemm.available) if sources[0].dtype == torch.float32 else (
-            OnednnGemm, onednn_gemm.available)  # fmt: skip
-        total = sum(w.numel() * w.element_size() for w in sources)
-        if not available():
-            return f"torch has no GEMM on {gemm.weights} weights here"
-        if total > limit:
-            return f"{total / 2**20:.0f} MiB of weights is over the {limit / 2**20:.0f} MiB limit"
-        # AMX: decode batches on tiles where shapes take them, a second copy beside oneDNN's (within the limit too)
-        tiles = gemm is OnednnGemm and tile_gemm.available() and 2 * total <= limit
-
-        def pack(weight: torch.Tensor) -> PackedGemm | OnednnGemm | TileGemm:
-            return TileGemm(weight) if tiles and tile_gemm.fits(weight) else gemm(weight)
-
-        for module, weight in linears.items():
-            module.gemm, module.weight_f32 = pack(weight), None
-        self.logits_gemm = logits.gemm if logits in linears else None if logits_source is None else pack(logits_source)
-        self.logits_weight_f32 = None
-        if self.native_path is not None:
-            self.native_path.forget_plans()
-        products = "every product" if gemm.min_rows == 1 else f"products of {gemm.min_rows}+ rows"
-        on, gemms = f"{gemm.weights} weights", self.packed_gemms()
-        if tiled := sum(isinstance(g, TileGemm) for g in gemms):
-            on = f"{TileGemm.weights} weights" + ("" if tiled == len(gemms) else f" ({tiled} of {len(gemms)}), {on}")
-        return f"{products} on {on} (+{self.packed_gemm_bytes() / 2**20:.0f} MiB)"
-
-    def packed_gemms(self) -> list:
-        """The GEMMs set_packed_gemms made, each once (a tied LM head's is its embedding's)."""
-        gemms = [m.gemm for m in self.modules() if isinstance(m, Linear)] + [self.logits_gemm]
-        return list({id(g): g for g in gemms if g is not None}.values())
+        """Matmul weights packed once for their GEMM (``packed_gemms.pack``); returns what it did, for the log."""
+        return packed_gemms.pack(self, limit, bf16_units)
 
     def packed_gemm_bytes(self) -> int:
-        return sum(g.nbytes for g in self.packed_gemms())
+        return sum(g.nbytes for g in packed_gemms.distinct(self))
 
     def set_upcast_matmuls(self, enabled: bool, float32_copy_limit: int = FLOAT32_COPY_LIMIT) -> None:
         """Half-precision weights multiplied in float32 (see ``Linear``); for CPUs without bf16 units.

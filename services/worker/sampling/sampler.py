@@ -96,9 +96,9 @@ class Sampler:
             # than an upcast and its float32 one, and the native argmax beats both;
             # benchmarks/sampling_bench.py's greedy case times the upcast and torch's argmax: its Sampler
             # has no native kernels).
-            if logits.device.type == "cpu" and self.cpu_kernels is not None:
-                return SamplerOutput(_native_argmax(self.cpu_kernels, logits), [None] * len(requests))
             if logits.device.type == "cpu":
+                if self.cpu_kernels is not None:
+                    return SamplerOutput(_native_argmax(self.cpu_kernels, logits), [None] * len(requests))
                 logits = logits.float()
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
         return self._sample_full(logits.to(torch.float32, copy=True), requests)
