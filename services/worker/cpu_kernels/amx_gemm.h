@@ -87,8 +87,8 @@ AMX_TARGET static void tile_block(const uint16_t *xm, int64_t ldx, const uint16_
  * y[m, :] (+)= x[m, :] W^T + bias for m < M: x [M, K] bfloat16 rows of stride ldx, w the tiles (layout above),
  * bias [N] or NULL, y rows of stride ldy. Each thread takes a run of column groups and streams its weights
  * in order, a slab of TILE_SLAB groups at a time against every 32 rows. Rows past a multiple of 16 are
- * multiplied as zeros from a padded copy. Returns 0 (nothing written) where AMX is unavailable or N, K
- * are not multiples of 32.
+ * multiplied as zeros from a padded copy. Returns 0 (nothing written) where AMX is unavailable, N or K
+ * is not a multiple of 32, or the padded copy cannot be allocated.
  */
 int kvg_tile_linear(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy, int M,
                     int64_t N, int64_t K, int accumulate) {
@@ -119,7 +119,7 @@ int kvg_tile_linear(const void *x, int64_t ldx, const void *w, const void *bias,
         for (int64_t s0 = g0; s0 < g1; s0 += TILE_SLAB) {
             const int64_t s1 = s0 + TILE_SLAB < g1 ? s0 + TILE_SLAB : g1;
             for (int m = 0; m < rows16; m += 32) {
-                const int two = rows16 - m >= 32, rows = (M - m < (two ? 32 : 16)) ? M - m : (two ? 32 : 16);
+                const int two = rows16 - m >= 32, span = two ? 32 : 16, rows = M - m < span ? M - m : span;
                 for (int64_t g = s0; g < s1; g++) {
                     tile_block(xs + m * ldx, ldx, (const uint16_t *)w + g * chunks * 1024, chunks, two, c);
                     tile_put(c, rows, (uint16_t *)y + m * ldy + g * 32, ldy,

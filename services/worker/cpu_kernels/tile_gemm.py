@@ -97,4 +97,4 @@ class TileGemm:
             out.data_ptr(), out.stride(0), rows, self.n, self.k, int(accumulate),
         )  # fmt: skip
         if not done:
-            raise RuntimeError("AMX tiles were granted at load and are not now")
+            raise RuntimeError(f"the AMX tile GEMM failed on {rows} rows (tiles revoked, or no memory for its padding)")
