@@ -1,7 +1,8 @@
 """A decode step's layers in one native call (``kvg_decode_layers``) compute what the per-op loop computes, bit for
 bit: the same kernels in the same order, for float weights on the GEMV (both bfloat16 GEMV paths) or AMX tiles,
 packed int8 and GGUF weights, and sliding-window layers; one-row steps on weights the quantized kernel splits by
-tiles run as one OpenMP team, with the same outputs; steps with a product only Python calls (a GEMM) keep the loop."""
+tiles run as one OpenMP team, with the same outputs; GGUF batches take the quantized kernel or the AMX tile GEMM on
+the weights' bfloat16 copies; steps with a product only Python calls (a GEMM) keep the loop."""
 
 from __future__ import annotations
 
@@ -31,12 +32,12 @@ def q4_1_attention_q8_0_rest(name: str) -> str:
     return "q4_1" if ".attn_" in name else "q8_0"
 
 
-def gguf_model(tmp_path, choose=q4_k_down_q8_0_rest):
+def gguf_model(tmp_path, choose=q4_k_down_q8_0_rest, dtype="float32"):
     model_dir = str(tmp_path / "hf")
     save_tiny_model(model_dir, "llama", seed=3, vocab_size=VOCAB, intermediate_size=256)
     path = str(tmp_path / "tiny.gguf")
     write_gguf(model_dir, path, choose)
-    return load_model(path, dtype="float32", device="cpu", quantization="gguf")
+    return load_model(path, dtype=dtype, device="cpu", quantization="gguf")
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def decode_logits(loaded, num_requests: int, one_call: bool, steps: int = 4) -> 
     """Logits of ``steps`` decode steps after a prefill, the layers in one call or op by op (same seeds)."""
     native = loaded.model.native_path
     assert native is not None
-    num_blocks = 8 * num_requests
+    num_blocks = 16 * num_requests
     runner = create_runner(loaded, block_size=4, num_blocks=num_blocks)
     g = torch.Generator().manual_seed(5)
     vocab = loaded.args.vocab_size
@@ -138,11 +139,27 @@ def test_gguf_k_quants_batch_one(tmp_path, two_threads):
     assert_one_call_equals_loop(lambda: gguf_model(tmp_path), 1)
 
 
-def test_steps_with_a_gemm_keep_the_loop(tmp_path):
-    """Weights packed for a GEMM take it from 2 rows in float32: only Python calls it."""
+@pytest.mark.skipif(matmul.AMX_ROWS is None or not tile_gemm.available(), reason="no AMX-BF16 tiles here")
+@pytest.mark.parametrize("num_requests", [3, 9])
+def test_gguf_batches_in_bfloat16(tmp_path, num_requests):
+    """Steps of several rows on GGUF weights in one call: below AMX_ROWS the quantized kernel on every row, from
+    it the AMX tile GEMM on the weights' bfloat16 copies (9 rows, padded to a block of 16)."""
+
+    def copied_model():
+        loaded = gguf_model(tmp_path, q4_1_attention_q8_0_rest, dtype="bfloat16")
+        assert all(m.packed.amx is not None for m in llama_one_call.products(loaded.model.layers[0]))
+        return loaded
+
+    assert_one_call_equals_loop(copied_model, num_requests, team=True)  # (a team at one row only: these loop in C)
+
+
+def test_steps_with_a_gemm_keep_the_loop(tmp_path, monkeypatch):
+    """Weights packed for a GEMM take it from 2 rows in float32, int8 weights the int8 GEMM from its rows: only Python
+    calls them."""
     loaded = load_model(save_tiny_model(str(tmp_path), "llama"), dtype="float32", device="cpu")
     native = loaded.model.native_path
     assert loaded.model.logits_gemm is not None
     assert native.in_one_call(1) and not native.in_one_call(2)
-    packed = load_model(str(tmp_path), dtype="float32", device="cpu", quantization="int8")
-    assert not packed.model.native_path.in_one_call(2)  # packed weights: one row only
+    monkeypatch.setattr(matmul, "INT8_GEMM_ROWS", 2)  # both layouts kept: the native kernel's at one row
+    packed = load_model(str(tmp_path), dtype="float32", device="cpu", quantization="int8").model.native_path
+    assert packed.in_one_call(1) and not packed.in_one_call(2)

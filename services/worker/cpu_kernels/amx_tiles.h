@@ -2,7 +2,7 @@
  * AMX tiles on Linux: whether this process may use them (CPUID, then the kernel's grant, asked once with
  * arch_prctl ARCH_REQ_XCOMP_PERM), and one tile configuration: tiles 0-7 all 16 rows of 64 bytes (a float32
  * 16 x 16 C, or 16 rows of 32 bfloat16 for A, or 16 pairs of 16 bfloat16 columns for B). Included by
- * amx_bf16.h (quantized products), amx_gemm.h (bfloat16 ones) and prefill_attention.c; a thread configures
+ * amx_gemm.h (bfloat16 products) and prefill_attention.c; a thread configures
  * before its first tile instruction and releases after its last.
  */
 #ifndef KVG_AMX_TILES_H

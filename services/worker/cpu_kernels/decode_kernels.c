@@ -934,7 +934,7 @@ typedef struct {
     int64_t n, k;
     int format;
     int64_t tile_bytes; /* a quantized weight's bytes per tile of QUANT_TILE rows (its tiled layout) */
-    const void *amx;    /* a bfloat16 weight's copy in AMX tiles (amx_gemm.h), or NULL */
+    const void *amx;    /* the weight's bfloat16 copy in AMX tiles (amx_gemm.h), or NULL */
 } StepLinear;
 
 typedef struct {
@@ -953,6 +953,7 @@ typedef struct {
     QuantTiles quant_tiles;
     int team; /* every product quantized in a format quant_tiles takes: one-row steps run as one team */
     int gemv_rows; /* rows up to which a float weight with an AMX copy still takes the GEMV */
+    int quant_tile_rows; /* rows from which a packed weight with an AMX copy takes it (quant/matmul.py AMX_ROWS) */
     const StepLayer *layers;
 } StepModel;
 
@@ -962,8 +963,8 @@ typedef struct {
 
 static void step_linear(const StepModel *m, const StepLinear *l, const void *x, void *y, int64_t ldy, int rows,
                         int accumulate) {
-    if (l->format < 0 && l->amx && rows > m->gemv_rows &&
-        kvg_tile_linear(x, l->k, l->amx, l->bias, y, ldy, rows, l->n, l->k, accumulate))
+    const int tiles = l->format < 0 ? rows > m->gemv_rows : rows >= m->quant_tile_rows;
+    if (l->amx && tiles && kvg_tile_linear(x, l->k, l->amx, l->bias, y, ldy, rows, l->n, l->k, accumulate))
         return;
     if (l->format < 0)
         kvg_linear(x, l->weight, l->bias, y, ldy, rows, l->n, l->k, m->dt, accumulate);

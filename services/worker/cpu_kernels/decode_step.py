@@ -22,7 +22,7 @@ class StepLinear(Structure):
         ("k", c_int64),
         ("format", c_int),
         ("tile_bytes", c_int64),
-        ("amx", c_void_p),  # a bfloat16 weight's copy in AMX tiles (cpu_kernels.tile_gemm), taken above gemv_rows
+        ("amx", c_void_p),  # the weight's bfloat16 copy in AMX tiles (cpu_kernels.tile_gemm): see StepModel's rows
     ]
 
 
@@ -57,7 +57,8 @@ class StepModel(Structure):
         ("quant_linear", c_void_p),
         ("quant_tiles", c_void_p),
         ("team", c_int),
-        ("gemv_rows", c_int),
+        ("gemv_rows", c_int),  # a float weight takes its AMX copy above these rows
+        ("quant_tile_rows", c_int),  # a packed weight from these rows (quant.matmul.AMX_ROWS)
         ("layers", POINTER(StepLayer)),
     ]
 

@@ -10,8 +10,8 @@ Three shared libraries, each from its C file (plus the headers beside it: ``scal
   keep torch's SDPA there).
 - ``quant_kernels.c``: the quantized linear (``--quantization``), compiled for any x86-64 or
   other CPU, with AVX-512 VNNI and AVX2 inner loops chosen at run time (per-function target
-  attributes), and AMX-BF16 tiles for weights that keep a bfloat16 copy (``amx_bf16.h``, where the CPU and
-  Linux grant them); ``load_quant``, ``QUANT_PATHS``.
+  attributes); ``load_quant``, ``QUANT_PATHS``. Batches of rows on packed weights that keep a bfloat16
+  copy take the AMX tile GEMM of ``decode_kernels.c`` (``quant/matmul.py``).
 
 A library lands in ``$KVGRID_CACHE_DIR/native`` (default ``~/.cache/kvgrid/native``), named by a
 hash of its sources and flags; later starts load it without compiling. Building needs a C
@@ -98,9 +98,6 @@ _QUANT_SIGNATURES = {
     "kvq_quantize_rows_int8": (c_void_p, c_int, c_int64, c_int, c_void_p, c_void_p),
     # x, M, K, dtype, q, scale, q2, scale2
     "kvq_quantize_residual_int8": (c_void_p, c_int, c_int64, c_int, c_void_p, c_void_p, c_void_p, c_void_p),
-    # x, w (bfloat16 tiles), bias, y, ldy, M, N, K, dtype, accumulate -> 1, or 0 without AMX (amx_bf16.h)
-    "kvq_amx_linear": (c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int64, c_int64, c_int, c_int),
-    "kvq_amx_available": (),
     # x, w, scales, bias, y, N, K, format, dtype, accumulate, first tile, end tile, next (see kvg_decode_layers)
     "kvq_linear_tiles": (
         (c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int, c_int, c_int, c_int64, c_int64)
@@ -238,7 +235,6 @@ def load_quant() -> ctypes.CDLL:
     lib = _open(QUANT)
     lib.kvq_select_path.argtypes, lib.kvq_select_path.restype = (c_int,), c_int
     lib.kvq_select_path(len(QUANT_PATHS) - 1)
-    lib.kvq_amx_linear.restype = lib.kvq_amx_available.restype = c_int
     lib.kvq_takes_tiles.argtypes, lib.kvq_takes_tiles.restype = (c_int,), c_int
     return lib
 

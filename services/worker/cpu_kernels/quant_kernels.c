@@ -451,7 +451,6 @@ static void linear_simd(const QRows *xr, const void *w, const float *scales, con
 #endif
 
 #include "kquants.h"
-#include "amx_bf16.h"
 
 /*
  * y[m, n] = sum_k x[m, k] W[n, k] + bias[n] for m < M; x: [M, K] of dtype dt, W: [N, K] tiled

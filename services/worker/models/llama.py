@@ -352,4 +352,4 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {', '.join(missing[:3])}")
         install_gguf(self, packed)
-        add_amx_copies(self, self.logits_module, PACKED_GEMM_LIMIT)
+        add_amx_copies(self, self.logits_module, PACKED_GEMM_LIMIT, self.norm.weight.dtype)

@@ -46,7 +46,7 @@ from services.worker.cpu_kernels.tile_gemm import TileGemm
 from services.worker.models import llama_one_call as one_call
 from services.worker.models.gemv_rows import GemvRows
 from services.worker.quant.formats import FORMAT_CODES
-from services.worker.quant.matmul import DEQUANTIZE_ROWS, linear_into, packed_linear
+from services.worker.quant.matmul import DEQUANTIZE_ROWS, linear_into, packed_linear, takes_amx
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -111,7 +111,7 @@ class NativeCpuPath:
         tensor holding the product: ``out``, or, not accumulating, a GEMM's own output where the GEMM returns one
         (oneDNN's: copying it into ``out`` cost as much as a small product, ~6 ms of a 64-row bfloat16 step)."""
         rows = x.shape[0]
-        if module.packed is not None and rows < DEQUANTIZE_ROWS:
+        if module.packed is not None and (rows < DEQUANTIZE_ROWS or takes_amx(module.packed, x)):
             if rows == 1 and self.packed_gemv(module, x, out, accumulate):
                 return out
             linear_into(x, module.packed, module.bias, out, accumulate)

@@ -16,7 +16,8 @@ import torch
 from services.worker.cpu_kernels import decode_step
 from services.worker.cpu_kernels.library import load_quant
 from services.worker.cpu_kernels.tile_gemm import TileGemm
-from services.worker.quant.formats import FORMAT_CODES, TILE
+from services.worker.quant import matmul
+from services.worker.quant.formats import FORMAT_CODES, TILE, PackedParts
 
 if TYPE_CHECKING:
     from services.worker.models.llama_cpu import NativeCpuPath
@@ -24,15 +25,25 @@ if TYPE_CHECKING:
 
 def all_native(layers: Iterable, takes_gemv: Callable[[object, int], bool], rows: int) -> bool:
     """Whether every product of a decode step of ``rows`` rows takes a kernel that ``kvg_decode_layers`` calls: the
-    native GEMV for float weights (``takes_gemv``) or their AMX tile GEMM (``TileGemm``), the quantized kernel for
-    one row of tiled packed ones (no other GEMM, no int8 GEMM: those only Python calls)."""
+    native GEMV for float weights (``takes_gemv``) or their AMX tile GEMM (``TileGemm``); for packed ones the AMX
+    tile GEMM on their bfloat16 copy, or the quantized kernel on their tiles where ``NativeCpuPath.linear`` takes it
+    (no int8 GEMM, no dequantized copy: those only Python calls)."""
     for module in (m for layer in layers for m in products(layer)):
         tiles = isinstance(module.gemm, TileGemm) and module.gemm.takes(rows)
         if module.packed is None and not tiles and not takes_gemv(module.gemm, rows):
             return False
-        if module.packed is not None and (rows != 1 or not module.packed.tiled):
+        if module.packed is not None and not _packed_native(module.packed, rows):
             return False
     return True
+
+
+def _packed_native(packed, rows: int) -> bool:
+    """Where ``NativeCpuPath.linear`` takes, for a packed weight, a kernel that the one call makes too: the
+    quantized kernel on its tiles, or from ``AMX_ROWS`` rows the AMX tile GEMM on its copy."""
+    if isinstance(packed, PackedParts) or not packed.tiled or matmul.takes_int8_gemm(packed, rows):
+        return False
+    amx = packed.amx is not None and matmul.AMX_ROWS is not None and rows >= matmul.AMX_ROWS
+    return amx or rows < matmul.DEQUANTIZE_ROWS
 
 
 def describe(
@@ -57,7 +68,7 @@ def describe(
         eps=path.eps, scale=path.scale, cos=path.model.cos.data_ptr(), sin=path.model.sin.data_ptr(),
         quant_linear=decode_step.address(quant.kvq_linear) if packed else None,
         quant_tiles=decode_step.address(quant.kvq_linear_tiles) if packed else None,
-        team=int(team), gemv_rows=path.rows.tile_pairs, layers=layers,
+        team=int(team), gemv_rows=path.rows.tile_pairs, quant_tile_rows=matmul.AMX_ROWS or 0, layers=layers,
     )  # fmt: skip
     return program, layers
 
@@ -69,7 +80,7 @@ def products(layer) -> tuple:
 
 def _step_linear(module) -> decode_step.StepLinear:
     """One product as ``kvg_decode_layers`` calls it: a float weight on the GEMV, or on its AMX tiles above the GEMV's
-    rows, a packed one on the quantized kernel (tiled: ``all_native`` takes no other)."""
+    rows; a packed one on the quantized kernel, or on its AMX copy from ``AMX_ROWS`` rows."""
     bias = _address(getattr(module, "bias", None))
     packed = module.packed
     if packed is None:
@@ -84,7 +95,7 @@ def _step_linear(module) -> decode_step.StepLinear:
         )
     return decode_step.StepLinear(
         packed.data.data_ptr(), _address(packed.scales), bias, n, k, FORMAT_CODES[packed.format],
-        packed.data.nbytes // tiles,
+        packed.data.nbytes // tiles, _address(packed.amx),
     )  # fmt: skip
 
 

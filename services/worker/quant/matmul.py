@@ -18,9 +18,10 @@ dequantized per call.
 - ``quant_kernels.c`` does y = x W^T with integer dot products over the packed bytes in their tiled
   layout (``formats.tile``: models tile their weights once at load, ``kernel_layout``; an untiled
   weight is tiled per call here), x quantized per block of 32 as ggml does.
-- On a CPU with AMX-BF16, weights that models give a bfloat16 copy in the tiles' layout (``with_amx_copy``)
-  take AMX tiles from ``AMX_ROWS`` rows, at any row count above: the integer kernel is compute-bound there
-  and the tiles are several times faster; x is rounded to bfloat16, the sums are float32.
+- On a CPU with AMX-BF16, weights that bfloat16 models give a bfloat16 copy in the AMX tile GEMM's layout
+  (``with_amx_copy``, ``cpu_kernels/tile_gemm.py``) take that GEMM from ``AMX_ROWS`` rows, at any row count
+  above: the integer kernel is compute-bound there and the tiles are several times faster. Its numerics are
+  the bfloat16 weights' (float32 sums over K in order, rounded to bfloat16 as torch rounds).
 - Steps of at least ``DEQUANTIZE_ROWS`` rows (long prefill chunks) are compute-bound: there a
   weight the int8 GEMM does not take is dequantized to float32 for the call (cheap next to the
   GEMM) and torch's GEMM does the product. Without the native library (no C compiler) every product
@@ -34,6 +35,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from services.worker.cpu_kernels import library, tile_gemm
 from services.worker.cpu_kernels.library import DTYPE_CODES, NativeKernelsUnavailable, load_quant
 from services.worker.quant.formats import (
     FORMAT_CODES,
@@ -52,9 +54,11 @@ from services.worker.setup.cpu_features import detect
 DEQUANTIZE_ROWS = 100
 
 
-# Rows from which a weight with a bfloat16 copy (``with_amx_copy``) takes AMX-BF16 tiles instead of the integer
-# kernel (None: no AMX-BF16 here). One row streams the packed bytes, fewer than the copy's; at 64 rows Gemma 3's
-# 262144 x 640 LM head takes a quarter of the integer kernel's time this way (benchmarks/quant_bench.py --rows).
+# Rows from which a weight with a bfloat16 copy (``with_amx_copy``) takes the AMX tile GEMM instead of the integer
+# kernel (None: no AMX-BF16 here). Few rows stream the packed bytes, fewer than the copy's; tiles multiply 16 rows
+# for the price of one. SmolLM2 Q4_1 decode steps (benchmarks/worker_bench.py --quantization gguf, AMX Xeon, 2
+# threads): 4 rows on the integer kernel 8.1 ms, 8 rows on the tiles 13.4 ms, 64 rows 30.5 ms (the integer kernel's
+# tiles 2.0x slower at 64).
 AMX_ROWS = 8 if detect().amx_bf16 else None
 
 # Rows from which int8 products take the int8 GEMM (None: never), set once per process from the CPU
@@ -75,31 +79,43 @@ def kernel_layout(packed: PackedWeight | PackedParts) -> PackedWeight | PackedPa
 
 
 def with_amx_copy(packed: PackedWeight | PackedParts, chunk: int = 16384) -> PackedWeight | PackedParts:
-    """``packed`` with its values also as bfloat16 in AMX's tile layout (see ``cpu_kernels/amx_bf16.h``), where
-    this CPU has AMX-BF16 and the native library builds; otherwise as it is (parts: each part's). The copy takes
-    2 bytes a weight, beside the packed bytes that single rows keep reading (``quant.install.add_amx_copies``)."""
+    """``packed`` with its values also as bfloat16 in the AMX tile GEMM's layout (``tile_gemm.to_tiles``), where
+    this CPU has AMX-BF16, the native kernels build and N and K are multiples of 32; otherwise as it is (parts:
+    each part's). The copy takes 2 bytes a weight, beside the packed bytes that single rows keep reading
+    (``quant.install.add_amx_copies``)."""
     if isinstance(packed, PackedParts):
         return PackedParts([with_amx_copy(p, chunk) for p in packed.parts])
-    if AMX_ROWS is None or packed.num_cols % 32 or _native() is None:
-        return packed
-    if not _native().kvq_amx_available():
-        return packed
     n, k = packed.shape
-    groups = -(-n // 16)
-    rows = torch.zeros(groups * 16, k, dtype=torch.bfloat16)
-    for start in range(0, n, chunk):  # float32 a chunk at a time, not the whole matrix
-        index = torch.arange(start, min(n, start + chunk))
-        rows[start : start + index.numel()] = dequantize_rows(packed, index).to(torch.bfloat16)
-    # W[16 j + r, 32 c + 2 p + e] -> tile (j, c) at [p, r, e]
-    tiles = rows.view(groups, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    if AMX_ROWS is None or n % tile_gemm.ALIGN or k % tile_gemm.ALIGN or _native() is None:
+        return packed
+    if not tile_gemm.available():
+        return packed
+    tiles = torch.empty(n // 32, k // 32, 16, 32, 2, dtype=torch.bfloat16)
+    for start in range(0, n, chunk):  # float32 a chunk of rows at a time, not the whole matrix (chunk: 32 | it)
+        rows = dequantize_rows(packed, torch.arange(start, min(n, start + chunk))).to(torch.bfloat16)
+        tiles[start // 32 : start // 32 + rows.shape[0] // 32] = tile_gemm.to_tiles(rows)
     return replace(packed, amx=tiles)
 
 
-def _takes_amx(packed: PackedWeight, rows: int) -> bool:
-    return packed.amx is not None and AMX_ROWS is not None and rows >= AMX_ROWS
+def takes_amx(packed: PackedWeight, x: torch.Tensor) -> bool:
+    """Whether ``x``'s rows take the weight's AMX copy: bfloat16 rows, at least ``AMX_ROWS`` of them."""
+    return packed.amx is not None and AMX_ROWS is not None and x.shape[0] >= AMX_ROWS and x.dtype == torch.bfloat16
 
 
-def _takes_int8_gemm(packed: PackedWeight, rows: int) -> bool:
+def amx_into(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor, accumulate: bool):
+    """out (+)= x W^T + bias on the AMX copy (``takes_amx``); out bfloat16, rows of any stride."""
+    n, k = packed.shape
+    lib = library.load()
+    lib.kvg_set_num_threads(torch.get_num_threads())
+    done = lib.kvg_tile_linear(
+        x.data_ptr(), x.stride(0), packed.amx.data_ptr(), _ptr(bias), out.data_ptr(), out.stride(0), x.shape[0], n, k,
+        int(accumulate),
+    )  # fmt: skip
+    if not done:
+        raise RuntimeError(f"the AMX tile GEMM failed on {x.shape[0]} rows (tiles revoked, or no memory for padding)")
+
+
+def takes_int8_gemm(packed: PackedWeight, rows: int) -> bool:
     return packed.format == "int8" and INT8_GEMM_ROWS is not None and rows >= INT8_GEMM_ROWS
 
 
@@ -182,19 +198,13 @@ def linear_into(
             end = start + part.shape[0]
             linear_into(x, part, None if bias is None else bias[start:end], out[:, start:end], accumulate)
         return
-    if _takes_int8_gemm(packed, x.shape[0]):
+    if takes_int8_gemm(packed, x.shape[0]):
         int8_gemm_into(x, packed, bias, out, accumulate)
         return
+    if takes_amx(packed, x):
+        amx_into(x, packed, bias, out, accumulate)
+        return
     lib = load_quant()
-    if _takes_amx(packed, x.shape[0]):
-        lib.kvq_set_num_threads(torch.get_num_threads())
-        n, k = packed.shape
-        done = lib.kvq_amx_linear(
-            x.data_ptr(), packed.amx.data_ptr(), _ptr(bias), out.data_ptr(), out.stride(0), x.shape[0], n, k,
-            DTYPE_CODES[str(x.dtype).removeprefix("torch.")], int(accumulate),
-        )  # fmt: skip
-        if done:
-            return
     packed = tile(packed)
     n, k = packed.shape
     lib.kvq_set_num_threads(torch.get_num_threads())
@@ -218,12 +228,12 @@ def packed_linear(
             ],
             dim=1,
         )
-    if _takes_int8_gemm(packed, x.shape[0]):
+    if takes_int8_gemm(packed, x.shape[0]):
         out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
         int8_gemm_into(x.contiguous(), packed, bias, out)
         return out
     native = _native() is not None and x.dtype in (torch.float32, torch.bfloat16)
-    if native and (x.shape[0] < DEQUANTIZE_ROWS or _takes_amx(packed, x.shape[0])):
+    if native and (x.shape[0] < DEQUANTIZE_ROWS or takes_amx(packed, x)):
         out = torch.empty(x.shape[0], packed.shape[0], dtype=x.dtype)
         linear_into(x.contiguous(), packed, bias, out)
         return out
