@@ -263,7 +263,8 @@ INLINE void transpose8(__m256 r[8]) {
         r[k] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x20), r[k + 4] = _mm256_permute2f128_ps(u[k], u[k + 4], 0x31);
 }
 
-void kvg_rms_norm(const void *x, const void *w, void *out, int M, int64_t E, float eps, int dt) {
+/* out = x / rms(x) * w, w of dtype wdt (the model's, or float32 for a norm whose scale is 1 + weight) */
+static void rms_norm(const void *x, const void *w, int wdt, void *out, int M, int64_t E, float eps, int dt) {
     const int groups = (M + NORM_ROWS - 1) / NORM_ROWS;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * E > 8192)
     for (int g = 0; g < groups; g++) {
@@ -296,7 +297,7 @@ void kvg_rms_norm(const void *x, const void *w, void *out, int M, int64_t E, flo
         for (int r = 0; r < count; r++) {
             const int64_t row = (int64_t)(m0 + r) * E;
             const float inv = 1.0f / sqrtf(ss[r] / (float)E + eps);
-            if (dt == F32) {
+            if (dt == F32 && wdt == F32) {
                 const float *xs = (const float *)x + row, *ws = (const float *)w;
                 float *o = (float *)out + row;
                 for (int64_t j = 0; j < E; j++) o[j] = xs[j] * inv * ws[j];
@@ -304,11 +305,20 @@ void kvg_rms_norm(const void *x, const void *w, void *out, int M, int64_t E, flo
                 const __m256 inv8 = _mm256_set1_ps(inv);
                 int64_t j = 0;
                 for (; j + 8 <= E; j += 8)
-                    store8(out, row + j, _mm256_mul_ps(_mm256_mul_ps(load8(x, row + j, dt), inv8), load8(w, j, dt)), dt);
-                for (; j < E; j++) store1(out, row + j, load1(x, row + j, dt) * inv * load1(w, j, dt), dt);
+                    store8(out, row + j, _mm256_mul_ps(_mm256_mul_ps(load8(x, row + j, dt), inv8), load8(w, j, wdt)), dt);
+                for (; j < E; j++) store1(out, row + j, load1(x, row + j, dt) * inv * load1(w, j, wdt), dt);
             }
         }
     }
+}
+
+void kvg_rms_norm(const void *x, const void *w, void *out, int M, int64_t E, float eps, int dt) {
+    rms_norm(x, w, dt, out, M, E, eps, dt);
+}
+
+/* Gemma's: x / rms(x) * scale with scale = 1 + weight in float32, rounded once to dt (Hugging Face's order) */
+void kvg_rms_norm_scaled(const void *x, const float *scale, void *out, int M, int64_t E, float eps, int dt) {
+    rms_norm(x, scale, F32, out, M, E, eps, dt);
 }
 
 /*

@@ -56,6 +56,7 @@ _SIGNATURES = {
     "kvg_linear": (c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int64, c_int64, c_int, c_int),
     # x, w, out, M, E, eps, dtype
     "kvg_rms_norm": (c_void_p, c_void_p, c_void_p, c_int, c_int64, c_float, c_int),
+    "kvg_rms_norm_scaled": (c_void_p, c_void_p, c_void_p, c_int, c_int64, c_float, c_int),  # scale: float32
     # gate_up, out, M, I, dtype
     "kvg_silu_mul": (c_void_p, c_void_p, c_int, c_int64, c_int),
     # qkv, ldq, cos, sin, positions, slots, k_cache, v_cache, M, H, KV, D, dtype

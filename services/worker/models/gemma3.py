@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
+from services.worker.cpu_kernels.library import DTYPE_CODES
 from services.worker.layers.rope import apply_rotary, cos_sin_tables
 from services.worker.models.llama import MLP, Attention, LlamaArgs, LlamaForCausalLM, layer_windows
 
@@ -75,12 +76,12 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
         self.eps = eps
-        self.native: ctypes.CDLL | None = None  # the decode kernels, for float32 rows (use_native_kernels)
+        self.native: ctypes.CDLL | None = None  # the decode kernels (use_native_kernels)
         self.scale: torch.Tensor | None = None  # 1 + weight, float32, for the native kernel
 
     def use_native_kernels(self, lib: ctypes.CDLL | None) -> None:
-        """float32 rows through the native RMSNorm (one call, not torch's eight ops: at one decode row a step
-        runs six norms a layer, and their ops' overhead showed beside the layer's products); None: torch."""
+        """float32 and bfloat16 rows through the native RMSNorm (one call, not torch's eight ops: at one decode row
+        a step runs six norms a layer, and their ops' overhead showed beside the layer's products); None: torch."""
         self.native = lib
         self.scale = None if lib is None else (1.0 + self.weight.float()).contiguous()
 
@@ -88,18 +89,21 @@ class GemmaRMSNorm(nn.Module):
         """RMSNorm's interface: (normed, x) with ``residual`` added into x first."""
         if residual is not None:
             x = x.add_(residual)
-        if self.native is not None and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu":
+        if self.native is not None and x.dtype in NATIVE_DTYPES and x.is_contiguous() and x.device.type == "cpu":
             out = torch.empty_like(x)
-            size = self.scale.shape[0]
-            self.native.kvg_rms_norm(
-                x.data_ptr(), self.scale.data_ptr(), out.data_ptr(), x.numel() // size, size, self.eps, 0
-            )  # (float32's dtype code)
+            self.into(x.data_ptr(), out.data_ptr(), x.numel() // self.scale.shape[0], x.dtype)
             return out, x
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype), x
 
+    def into(self, at: int, to: int, rows: int, dtype: torch.dtype) -> None:
+        """The native norm of ``rows`` contiguous rows of ``dtype`` at address ``at`` into ``to`` (may be ``at``)."""
+        code = DTYPE_CODES[str(dtype).removeprefix("torch.")]
+        self.native.kvg_rms_norm_scaled(at, self.scale.data_ptr(), to, rows, self.scale.shape[0], self.eps, code)
 
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # rows the native norm and rotary take (their dtype codes)
 _POSITION_0 = torch.zeros(1, dtype=torch.int64)  # kvg_rope_write_kv's position into a one-row table
 
 
@@ -111,22 +115,23 @@ class Gemma3Attention(Attention):
         self.scale = args.query_pre_attn_scalar**-0.5
 
     def forward(self, x, cos, sin, kv_cache, meta) -> torch.Tensor:  # [T, E] -> [T, E]
-        """One decode row in float32 with the native kernels (GemmaRMSNorm.use_native_kernels): q/k norms in place,
-        rotary and the KV write in one call each (as the Llama layer's native path), not torch's dozen small ops."""
-        lib = self.q_norm.native
-        if lib is None or x.shape[0] != 1 or x.dtype != torch.float32 or kv_cache[0].dtype != torch.float32:
+        """One decode row in float32 or bfloat16 with the native kernels (GemmaRMSNorm.use_native_kernels): q/k
+        norms in place, rotary and the KV write in one call each (as the Llama layer's native path), not torch's
+        dozen small ops."""
+        lib, dtype = self.q_norm.native, x.dtype
+        if lib is None or x.shape[0] != 1 or dtype not in NATIVE_DTYPES or kv_cache[0].dtype != dtype:
             return super().forward(x, cos, sin, kv_cache, meta)
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # [1, (H + 2 KV) D], contiguous
         at = qkv.data_ptr()
-        lib.kvg_rms_norm(at, self.q_norm.scale.data_ptr(), at, H, D, self.q_norm.eps, 0)  # (float32's code)
+        self.q_norm.into(at, at, H, dtype)
         k_at = at + H * D * qkv.element_size()
-        lib.kvg_rms_norm(k_at, self.k_norm.scale.data_ptr(), k_at, KV, D, self.k_norm.eps, 0)
+        self.k_norm.into(k_at, k_at, KV, dtype)
         k_cache, v_cache = kv_cache
         # cos, sin: [1, 1, D], this row's: a table of one position, position 0
         lib.kvg_rope_write_kv(
             at, qkv.stride(0), cos.data_ptr(), sin.data_ptr(), _POSITION_0.data_ptr(), meta.slot_mapping.data_ptr(),
-            k_cache.data_ptr(), v_cache.data_ptr(), 1, H, KV, D, 0,
+            k_cache.data_ptr(), v_cache.data_ptr(), 1, H, KV, D, DTYPE_CODES[str(dtype).removeprefix("torch.")],
         )  # fmt: skip
         q = qkv[:, : self.q_size].view(1, H, D)
         out = self.backend.forward(q, k_cache, v_cache, meta, self.scale, self.window)  # [1, H, D]

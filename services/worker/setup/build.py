@@ -5,6 +5,7 @@ Used by ``main`` (and ``server.start_worker``), the benchmark and other suites' 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from dataclasses import dataclass
@@ -265,14 +266,23 @@ def _profile_cuda(loaded, block_size, block_bytes, utilization, num_tokens, num_
     return cuda_figures(total, utilization, weights, peak, non_torch, block_bytes, free=free_now)
 
 
+def cpu_kernels_of(model) -> ctypes.CDLL | None:
+    """The native CPU kernels the model's steps run on (its native path's, or, for layers in torch, its decode
+    attention's), for the sampler's greedy rows; None where they are not in use."""
+    if model.native_path is not None:
+        return model.native_path.lib
+    layers = getattr(model, "layers", None)
+    native_decode = getattr(layers[0].self_attn.backend, "native_decode", None) if layers else None
+    return getattr(native_decode, "lib", None)
+
+
 def create_runner(loaded: LoadedModel, block_size: int, num_blocks: int, seed: int | None = None) -> ModelRunner:
     """Allocates the KV cache and wraps model, cache and sampler."""
     a = loaded.args
     kv_caches = allocate_kv_cache(
         a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim, loaded.dtype, loaded.device
     )
-    native_path = loaded.model.native_path
-    sampler = Sampler(a.vocab_size, loaded.device, seed, cpu_kernels=None if native_path is None else native_path.lib)
+    sampler = Sampler(a.vocab_size, loaded.device, seed, cpu_kernels=cpu_kernels_of(loaded.model))
     runner = ModelRunner(loaded.model, kv_caches, block_size, sampler, loaded.device)
     if hasattr(loaded.model, "encode_images"):
         runner.use_encoder_cache(DEFAULT_CACHE_BYTES)
