@@ -74,7 +74,7 @@ def install_int8(model: nn.Module, targets: list[nn.Module]) -> None:
 def add_amx_copies(model: nn.Module, logits: nn.Module, limit: int, dtype: torch.dtype) -> None:
     """bfloat16 copies of the packed products' weights for the AMX tile GEMM (``matmul.with_amx_copy``; nothing
     where the CPU has no AMX-BF16, or for a model of another ``dtype``, whose activations the GEMM does not
-    take): decode batches of 8+ rows are compute-bound on the integer kernel, several times slower. Every
+    take): decode batches of 7+ rows are compute-bound on the integer kernel, several times slower. Every
     product's where the copies come to at most ``limit`` bytes, else the LM head's (``logits``, the widest
     product) alone if it fits."""
     if dtype != torch.bfloat16:

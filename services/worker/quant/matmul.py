@@ -56,10 +56,11 @@ DEQUANTIZE_ROWS = 100
 
 # Rows from which a weight with a bfloat16 copy (``with_amx_copy``) takes the AMX tile GEMM instead of the integer
 # kernel (None: no AMX-BF16 here). Few rows stream the packed bytes, fewer than the copy's; tiles multiply 16 rows
-# for the price of one. SmolLM2 Q4_1 decode steps (benchmarks/worker_bench.py --quantization gguf, AMX Xeon, 2
-# threads): 4 rows on the integer kernel 8.1 ms, 8 rows on the tiles 13.4 ms, 64 rows 30.5 ms (the integer kernel's
-# tiles 2.0x slower at 64).
-AMX_ROWS = 8 if detect().amx_bf16 else None
+# for the price of one. SmolLM2 Q4_1 decode steps, bfloat16, AMX Xeon, 2 threads (benchmarks/worker_bench.py's
+# kvgrid_decode, this limit set for either kernel in turn, medians of 3 rounds), ms: integer 8.7 / 10.8 / 12.6 /
+# 14.5 / 15.3 at 4 / 5 / 6 / 7 / 8 rows, tiles 13.2 to 13.9 at all of these; at 64 rows the integer kernel takes
+# 2.0x the tiles.
+AMX_ROWS = 7 if detect().amx_bf16 else None
 
 # Rows from which int8 products take the int8 GEMM (None: never), set once per process from the CPU
 # (``CpuFeatures.int8_gemm_rows``); tests switch it to run either path on any CPU.
