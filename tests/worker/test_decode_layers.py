@@ -12,6 +12,7 @@ import torch
 from services.worker.cpu_kernels import library, tile_gemm
 from services.worker.models import llama_one_call
 from services.worker.quant import matmul
+from services.worker.quant.formats import PackedParts
 from services.worker.setup.build import create_runner, load_model
 from tests.worker.test_cpu_kernels import forced_linear_path
 from tests.worker.tiny import drop_packed_gemms, request, run_logits, save_tiny_model
@@ -163,3 +164,24 @@ def test_steps_with_a_gemm_keep_the_loop(tmp_path, monkeypatch):
     monkeypatch.setattr(matmul, "INT8_GEMM_ROWS", 2)  # both layouts kept: the native kernel's at one row
     packed = load_model(str(tmp_path), dtype="float32", device="cpu", quantization="int8").model.native_path
     assert packed.in_one_call(1) and not packed.in_one_call(2)
+
+
+def q4_1_query_q8_0_rest(name: str) -> str:
+    return "q4_1" if ".attn_q." in name else "q8_0"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gguf_parts_take_a_long_prefill(tmp_path, dtype):
+    """A fused q/k/v stored in two types stays packed as parts, which keep no AMX copy of their own: a prefill chunk of
+    more rows than DEQUANTIZE_ROWS multiplies each part on its own (and the step after decodes)."""
+    loaded = gguf_model(tmp_path, q4_1_query_q8_0_rest, dtype=dtype)
+    qkv = loaded.model.layers[0].self_attn.qkv_proj.packed
+    assert isinstance(qkv, PackedParts) and qkv.amx is None
+    runner = create_runner(loaded, block_size=4, num_blocks=40)
+    prompt = torch.randint(0, VOCAB, (matmul.DEQUANTIZE_ROWS + 20,), generator=torch.Generator().manual_seed(7))
+    r = request("long", prompt.tolist(), list(range(40)), 0, len(prompt))
+    logits = run_logits(runner, [r])["long"]
+    assert logits.shape == (loaded.args.vocab_size,) and torch.isfinite(logits.float()).all()
+    r.token_ids.append(int(logits.argmax()))
+    r.num_scheduled_tokens = 1
+    assert torch.isfinite(run_logits(runner, [r])["long"].float()).all()

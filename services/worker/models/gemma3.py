@@ -89,7 +89,7 @@ class GemmaRMSNorm(nn.Module):
         """RMSNorm's interface: (normed, x) with ``residual`` added into x first."""
         if residual is not None:
             x = x.add_(residual)
-        if self.native is not None and x.dtype in NATIVE_DTYPES and x.is_contiguous() and x.device.type == "cpu":
+        if self.native is not None and x.dtype in NATIVE_CODES and x.is_contiguous() and x.device.type == "cpu":
             out = torch.empty_like(x)
             self.into(x.data_ptr(), out.data_ptr(), x.numel() // self.scale.shape[0], x.dtype)
             return out, x
@@ -99,11 +99,12 @@ class GemmaRMSNorm(nn.Module):
 
     def into(self, at: int, to: int, rows: int, dtype: torch.dtype) -> None:
         """The native norm of ``rows`` contiguous rows of ``dtype`` at address ``at`` into ``to`` (may be ``at``)."""
-        code = DTYPE_CODES[str(dtype).removeprefix("torch.")]
-        self.native.kvg_rms_norm_scaled(at, self.scale.data_ptr(), to, rows, self.scale.shape[0], self.eps, code)
+        size, code = self.scale.shape[0], NATIVE_CODES[dtype]
+        self.native.kvg_rms_norm_scaled(at, self.scale.data_ptr(), to, rows, size, self.eps, code)
 
 
-NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # rows the native norm and rotary take (their dtype codes)
+# Rows the native norm and rotary take, and their dtype codes.
+NATIVE_CODES = {torch.float32: DTYPE_CODES["float32"], torch.bfloat16: DTYPE_CODES["bfloat16"]}
 _POSITION_0 = torch.zeros(1, dtype=torch.int64)  # kvg_rope_write_kv's position into a one-row table
 
 
@@ -119,7 +120,7 @@ class Gemma3Attention(Attention):
         norms in place, rotary and the KV write in one call each (as the Llama layer's native path), not torch's
         dozen small ops."""
         lib, dtype = self.q_norm.native, x.dtype
-        if lib is None or x.shape[0] != 1 or dtype not in NATIVE_DTYPES or kv_cache[0].dtype != dtype:
+        if lib is None or x.shape[0] != 1 or dtype not in NATIVE_CODES or kv_cache[0].dtype != dtype:
             return super().forward(x, cos, sin, kv_cache, meta)
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x)  # [1, (H + 2 KV) D], contiguous
@@ -131,7 +132,7 @@ class Gemma3Attention(Attention):
         # cos, sin: [1, 1, D], this row's: a table of one position, position 0
         lib.kvg_rope_write_kv(
             at, qkv.stride(0), cos.data_ptr(), sin.data_ptr(), _POSITION_0.data_ptr(), meta.slot_mapping.data_ptr(),
-            k_cache.data_ptr(), v_cache.data_ptr(), 1, H, KV, D, DTYPE_CODES[str(dtype).removeprefix("torch.")],
+            k_cache.data_ptr(), v_cache.data_ptr(), 1, H, KV, D, NATIVE_CODES[dtype],
         )  # fmt: skip
         q = qkv[:, : self.q_size].view(1, H, D)
         out = self.backend.forward(q, k_cache, v_cache, meta, self.scale, self.window)  # [1, H, D]

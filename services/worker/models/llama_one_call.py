@@ -17,7 +17,7 @@ from services.worker.cpu_kernels import decode_step
 from services.worker.cpu_kernels.library import load_quant
 from services.worker.cpu_kernels.tile_gemm import TileGemm
 from services.worker.quant import matmul
-from services.worker.quant.formats import FORMAT_CODES, TILE, PackedParts
+from services.worker.quant.formats import FORMAT_CODES, TILE
 
 if TYPE_CHECKING:
     from services.worker.models.llama_cpu import NativeCpuPath
@@ -40,7 +40,7 @@ def all_native(layers: Iterable, takes_gemv: Callable[[object, int], bool], rows
 def _packed_native(packed, rows: int) -> bool:
     """Where ``NativeCpuPath.linear`` takes, for a packed weight, a kernel that the one call makes too: the
     quantized kernel on its tiles, or from ``AMX_ROWS`` rows the AMX tile GEMM on its copy."""
-    if isinstance(packed, PackedParts) or not packed.tiled or matmul.takes_int8_gemm(packed, rows):
+    if not packed.tiled or matmul.takes_int8_gemm(packed, rows):  # (parts are never tiled)
         return False
     amx = packed.amx is not None and matmul.AMX_ROWS is not None and rows >= matmul.AMX_ROWS
     return amx or rows < matmul.DEQUANTIZE_ROWS
@@ -68,9 +68,14 @@ def describe(
         eps=path.eps, scale=path.scale, cos=path.model.cos.data_ptr(), sin=path.model.sin.data_ptr(),
         quant_linear=decode_step.address(quant.kvq_linear) if packed else None,
         quant_tiles=decode_step.address(quant.kvq_linear_tiles) if packed else None,
-        team=int(team), gemv_rows=path.rows.tile_pairs, quant_tile_rows=matmul.AMX_ROWS or 0, layers=layers,
+        team=int(team), gemv_rows=path.rows.tile_pairs, quant_tile_rows=_quant_tile_rows(), layers=layers,
     )  # fmt: skip
     return program, layers
+
+
+def _quant_tile_rows() -> int:
+    """``StepModel.quant_tile_rows``: ``AMX_ROWS``, or a count no step reaches where there is none."""
+    return matmul.AMX_ROWS if matmul.AMX_ROWS is not None else 2**31 - 1
 
 
 def products(layer) -> tuple:

@@ -82,10 +82,12 @@ class PackedWeight:
 class PackedParts:
     """Packed matrices stacked along N in different formats: a fused q/k/v or gate/up whose parts a GGUF
     stores in different types. Each part multiplies on its own into its own output columns
-    (``matmul.linear_into``). ``tiled`` is always False: a kernel call that takes one tiled matrix declines it."""
+    (``matmul.linear_into``). ``tiled`` is always False and ``amx`` None: a kernel call that takes one tiled matrix,
+    or one matrix's AMX copy, declines it."""
 
     parts: list[PackedWeight]
     tiled: bool = False
+    amx: None = None
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -89,10 +89,11 @@ def with_amx_copy(packed: PackedWeight | PackedParts, chunk: int = 16384) -> Pac
     n, k = packed.shape
     if AMX_ROWS is None or n % tile_gemm.ALIGN or k % tile_gemm.ALIGN or _native() is None:
         return packed
-    if not tile_gemm.available():
+    if not tile_gemm.available():  # (CPUID says AMX, Linux may still refuse the tiles)
         return packed
     tiles = torch.empty(n // 32, k // 32, 16, 32, 2, dtype=torch.bfloat16)
-    for start in range(0, n, chunk):  # float32 a chunk of rows at a time, not the whole matrix (chunk: 32 | it)
+    # float32 a chunk of rows at a time, not the whole matrix (chunk: a multiple of 32, so whole groups of tiles)
+    for start in range(0, n, chunk):
         rows = dequantize_rows(packed, torch.arange(start, min(n, start + chunk))).to(torch.bfloat16)
         tiles[start // 32 : start // 32 + rows.shape[0] // 32] = tile_gemm.to_tiles(rows)
     return replace(packed, amx=tiles)
