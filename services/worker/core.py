@@ -302,6 +302,8 @@ def build_lora(config: Config, loaded: LoadedModel, tp_size: int) -> LoraManager
             raise ModelLoadError("--cpu-kernels native has no LoRA products: use --cpu-kernels auto or torch")
         model.set_native_path(None)
         log.info("steps run in torch: the native CPU kernels apply no LoRA adapters (--enable-lora)")
+    if getattr(model, "decode_call", None) is not None:  # Gemma 3's one-call decode steps: no LoRA products either
+        model.decode_call = None
     return build_lora_manager(model, lora.max_loras, lora.max_cpu_loras or lora.max_loras, lora.max_lora_rank)
 
 

@@ -500,6 +500,52 @@ void kvg_silu_mul(const void *gate_up, void *out, int M, int64_t I, int dt) {
     }
 }
 
+/* tanh of eight floats as sign(u) (1 - 2 / (exp(2 |u|) + 1)), with exp8 */
+INLINE __m256 tanh8(__m256 u) {
+    const __m256 sign = _mm256_and_ps(u, _mm256_set1_ps(-0.0f));
+    const __m256 e = exp8(_mm256_add_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), u), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), u)));
+    const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    return _mm256_or_ps(t, sign);
+}
+
+/*
+ * Gemma's MLP activation: out[m, i] = gelu_tanh(gate_up[m, i]) * gate_up[m, I + i], torch's
+ * F.gelu(gate, approximate="tanh").mul_(up): the activation rounded, then the product. The activation in
+ * torch's order, in float32: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), no fused multiply-adds; tanh from
+ * exp8 (tanh8), where torch has its own, so a value rounded to bfloat16 lands one step away now and then.
+ */
+INLINE __m256 gelu_tanh8(__m256 x) {
+    const __m256 beta = _mm256_set1_ps((float)(M_SQRT2 * M_2_SQRTPI * 0.5)), kappa = _mm256_set1_ps(0.044715f);
+    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+    const __m256 inner = _mm256_mul_ps(beta, _mm256_add_ps(x, _mm256_mul_ps(kappa, cube)));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(_mm256_set1_ps(1.0f), tanh8(inner)));
+}
+
+void kvg_gelu_tanh_mul(const void *gate_up, void *out, int M, int64_t I, int dt) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * I > 8192)
+    for (int m = 0; m < M; m++) {
+        const int64_t g = (int64_t)m * 2 * I, o = (int64_t)m * I;
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gelu = round8(gelu_tanh8(load8(gate_up, g + i, dt)), dt);
+            store8(out, o + i, _mm256_mul_ps(gelu, load8(gate_up, g + I + i, dt)), dt);
+        }
+        if (i < I) { /* the tail through the same vector arithmetic (a scalar form could fuse a multiply-add) */
+            float x[8] = {0}, gelu[8];
+            for (int64_t j = i; j < I; j++) x[j - i] = load1(gate_up, g + j, dt);
+            _mm256_storeu_ps(gelu, round8(gelu_tanh8(_mm256_loadu_ps(x)), dt));
+            for (int64_t j = i; j < I; j++) store1(out, o + j, gelu[j - i] * load1(gate_up, g + I + j, dt), dt);
+        }
+    }
+}
+
+/* x[i] += y[i] for n values of dt, rounded as torch's x + y */
+void kvg_add(void *x, const void *y, int64_t n, int dt) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store8(x, i, _mm256_add_ps(load8(x, i, dt), load8(y, i, dt)), dt);
+    for (; i < n; i++) store1(x, i, load1(x, i, dt) + load1(y, i, dt), dt);
+}
+
 #define SPAN 8 /* tokens whose keys and values are taken together */
 #define AHEAD 1 /* spans prefetched ahead: one span beats the hardware prefetchers alone, more gains nothing */
 
@@ -952,6 +998,10 @@ typedef struct {
     StepLinear qkv, o, gate_up, down;
     void *k_cache, *v_cache;
     int window;
+    /* Gemma 3 (StepModel.gemma): its norms' float32 scales (1 + weight; input_norm and post_norm too), the q and k
+       heads' norms, and the layer's rotary tables (the sliding-window layers have their own) */
+    const float *pre_ffn_norm, *post_ffn_norm, *q_norm, *k_norm;
+    const void *cos, *sin;
 } StepLayer;
 
 typedef struct {
@@ -965,6 +1015,7 @@ typedef struct {
     int gemv_rows; /* rows up to which a float weight with an AMX copy still takes the GEMV */
     int quant_tile_rows; /* rows from which a packed weight with an AMX copy takes it (quant/matmul.py AMX_ROWS) */
     const StepLayer *layers;
+    int gemma; /* the layers are Gemma 3's (decode_layers_gemma) */
 } StepModel;
 
 typedef struct {
@@ -1072,8 +1123,48 @@ static void decode_layers_team(const StepModel *m, const StepBuffers *b, const i
     free(parts);
 }
 
+/*
+ * Gemma 3's layers (models/gemma3.py, op for op): four norms a layer, each of the attention's and the MLP's
+ * outputs normed before it joins the residual stream; the q and k heads normed before the rotary, each layer's
+ * own rotary tables; GELU (tanh) for SiLU. The products' outputs go to `normed` (free by then), are normed in
+ * place and added to `hidden`.
+ */
+static void decode_layers_gemma(const StepModel *m, const StepBuffers *b, int rows, const int64_t *positions,
+                                const int64_t *slots, const int32_t *block_tables, int64_t ldt,
+                                const int32_t *seq_lens) {
+    const int H = m->heads, KV = m->kv_heads, D = m->head_dim, dt = m->dt, es = dt == BF16 ? 2 : 4;
+    const int64_t E = m->hidden, width = (int64_t)(H + 2 * KV) * D;
+    for (int i = 0; i < m->num_layers; i++) {
+        const StepLayer *layer = m->layers + i;
+        kvg_rms_norm_scaled(b->hidden, layer->input_norm, b->normed, rows, E, m->eps, dt);
+        step_linear(m, &layer->qkv, b->normed, b->qkv, width, rows, 0);
+        for (int r = 0; r < rows; r++) {
+            char *q = (char *)b->qkv + r * width * es;
+            kvg_rms_norm_scaled(q, layer->q_norm, q, H, D, m->eps, dt);
+            kvg_rms_norm_scaled(q + (int64_t)H * D * es, layer->k_norm, q + (int64_t)H * D * es, KV, D, m->eps, dt);
+        }
+        kvg_rope_write_kv(b->qkv, width, layer->cos, layer->sin, positions, slots, layer->k_cache, layer->v_cache,
+                          rows, H, KV, D, dt);
+        kvg_decode_attention(b->qkv, width, layer->k_cache, layer->v_cache, block_tables, ldt, seq_lens, b->attn,
+                             (int64_t)H * D, rows, H, KV, D, m->block_size, m->scale, dt, layer->window);
+        step_linear(m, &layer->o, b->attn, b->normed, E, rows, 0);
+        kvg_rms_norm_scaled(b->normed, layer->post_norm, b->normed, rows, E, m->eps, dt);
+        kvg_add(b->hidden, b->normed, rows * E, dt);
+        kvg_rms_norm_scaled(b->hidden, layer->pre_ffn_norm, b->normed, rows, E, m->eps, dt);
+        step_linear(m, &layer->gate_up, b->normed, b->gate_up, 2 * m->intermediate, rows, 0);
+        kvg_gelu_tanh_mul(b->gate_up, b->act, rows, m->intermediate, dt);
+        step_linear(m, &layer->down, b->act, b->normed, E, rows, 0);
+        kvg_rms_norm_scaled(b->normed, layer->post_ffn_norm, b->normed, rows, E, m->eps, dt);
+        kvg_add(b->hidden, b->normed, rows * E, dt);
+    }
+}
+
 void kvg_decode_layers(const StepModel *m, const StepBuffers *b, int rows, const int64_t *positions,
                        const int64_t *slots, const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens) {
+    if (m->gemma) {
+        decode_layers_gemma(m, b, rows, positions, slots, block_tables, ldt, seq_lens);
+        return;
+    }
     if (m->team && rows == 1 && num_threads > 1) {
         decode_layers_team(m, b, positions, slots, block_tables, ldt, seq_lens);
         return;

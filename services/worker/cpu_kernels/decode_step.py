@@ -37,6 +37,13 @@ class StepLayer(Structure):
         ("k_cache", c_void_p),
         ("v_cache", c_void_p),
         ("window", c_int),
+        # Gemma 3 (StepModel.gemma): norms' float32 scales (1 + weight; input_norm and post_norm too), rotary tables
+        ("pre_ffn_norm", c_void_p),
+        ("post_ffn_norm", c_void_p),
+        ("q_norm", c_void_p),
+        ("k_norm", c_void_p),
+        ("cos", c_void_p),
+        ("sin", c_void_p),
     ]
 
 
@@ -60,6 +67,7 @@ class StepModel(Structure):
         ("gemv_rows", c_int),  # a float weight takes its AMX copy above these rows
         ("quant_tile_rows", c_int),  # a packed weight from these rows (quant.matmul.AMX_ROWS)
         ("layers", POINTER(StepLayer)),
+        ("gemma", c_int),  # the layers are Gemma 3's
     ]
 
 

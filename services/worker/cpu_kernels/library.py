@@ -59,6 +59,8 @@ _SIGNATURES = {
     "kvg_rms_norm_scaled": (c_void_p, c_void_p, c_void_p, c_int, c_int64, c_float, c_int),  # scale: float32
     # gate_up, out, M, I, dtype
     "kvg_silu_mul": (c_void_p, c_void_p, c_int, c_int64, c_int),
+    "kvg_gelu_tanh_mul": (c_void_p, c_void_p, c_int, c_int64, c_int),
+    "kvg_add": (c_void_p, c_void_p, c_int64, c_int),
     # qkv, ldq, cos, sin, positions, slots, k_cache, v_cache, M, H, KV, D, dtype
     "kvg_rope_write_kv": (
         (c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p) + (c_int,) * 5

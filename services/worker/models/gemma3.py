@@ -7,7 +7,8 @@ after attention and the MLP, the outputs normed before they join the residual st
 GELU); and an optional final logit soft cap. Layers whose type is ``sliding_attention`` see the last
 ``sliding_window`` positions and rotate with ``rope_local_base_freq``'s table; ``full_attention`` ones see
 everything and use ``rope_theta``'s (with its scaling). Steps run in torch (the native CPU path is the Llama
-layer's).
+layer's), with the native kernels for the norms, the rotary and decodes' attention; a decode-only step whose
+products all take native kernels runs its layers in one native call (``gemma3_one_call``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from services.worker.attention.base import AttentionBackend, AttentionMetadata
 from services.worker.cpu_kernels.library import DTYPE_CODES
 from services.worker.layers.rope import apply_rotary, cos_sin_tables
+from services.worker.models.gemma3_one_call import GemmaDecodeCall
 from services.worker.models.llama import MLP, Attention, LlamaArgs, LlamaForCausalLM, layer_windows
 
 ARCHITECTURES = ("Gemma3ForCausalLM",)
@@ -140,9 +142,11 @@ class Gemma3Attention(Attention):
         return out if self.all_reduce is None else self.all_reduce(out)
 
     def rotate_qk(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """[T, H + KV, D]: each head normalized over D, then rotated."""
+        """[T, H + KV, D]: each head normalized over D, then rotated. The heads are made contiguous so that the
+        norms take the native kernel as one row's do (Gemma3Attention.forward): a row's result does not depend on
+        how many rows share its step."""
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        qk = torch.cat((self.q_norm.forward(q)[0], self.k_norm.forward(k)[0]), dim=1)
+        qk = torch.cat((self.q_norm.forward(q.contiguous())[0], self.k_norm.forward(k.contiguous())[0]), dim=1)
         return apply_rotary(qk, cos, sin)
 
 
@@ -183,6 +187,13 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.local_cos: torch.Tensor | None = None  # the sliding-window layers' tables, see init_rope
         self.local_sin: torch.Tensor | None = None
+        self.decode_call: GemmaDecodeCall | None = None  # decode steps' layers in one native call (use_native_kernels)
+
+    def use_native_kernels(self, lib: ctypes.CDLL | None) -> None:
+        """Decode steps' layers through one native call where their products allow it (``gemma3_one_call``); None:
+        torch, op by op."""
+        dtype = self.embed_tokens.weight.dtype
+        self.decode_call = GemmaDecodeCall(self, lib) if lib is not None and dtype in NATIVE_CODES else None
 
     def init_rope(self) -> None:
         super().init_rope()
@@ -200,6 +211,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     ) -> torch.Tensor:  # [T, E] hidden states before the final norm
         x = self.embed_tokens.forward(input_ids)
         x = x * torch.tensor(self.args.hidden_size**0.5, dtype=x.dtype)  # the scale rounded to the dtype, as HF
+        if self.decode_call is not None and self.decode_call.takes(x, meta):
+            return self.decode_call.forward(x, positions, kv_caches, meta)
         tables = {
             False: (self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)),
             True: (

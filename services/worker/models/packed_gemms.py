@@ -63,6 +63,8 @@ def pack(model: LlamaForCausalLM, limit: int = PACKED_GEMM_LIMIT, bf16_units: bo
     model.logits_weight_f32 = None
     if model.native_path is not None:
         model.native_path.forget_plans()
+    if getattr(model, "decode_call", None) is not None:
+        model.decode_call.forget_plans()
     products = "every product" if gemm.min_rows == 1 else f"products of {gemm.min_rows}+ rows"
     on, gemms = f"{gemm.weights} weights", distinct(model)
     if tiled := sum(isinstance(g, TileGemm) for g in gemms):
