@@ -108,7 +108,7 @@ def test_argmax_rows(lib, two_threads, rows, vocab, dt):
         logits[1, [vocab - 1, 2]] = 50.0  # the tie's later index sits in a higher lane
         logits[2].fill_(float("-inf"))
     if rows > 3:
-        logits[3, [9, 17, 4000]] = 60.0  # same lane, then the tail
+        logits[3, [9, 17, 41, 4000]] = 60.0  # same lane of 8 (and of 32: 41), then the tail
         logits[4, [30, 1000]] = float("nan")
         logits[4, 7] = float("inf")
     out = torch.empty(rows, dtype=torch.int64)

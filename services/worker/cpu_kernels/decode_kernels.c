@@ -365,8 +365,8 @@ void kvg_rope_write_kv(void *qkv, int64_t ldq, const void *cos, const void *sin,
 /*
  * out[m] = argmax of row m of x ([M, N] of dtype dt, row stride ldx), as torch.argmax of the rows in
  * float32: the first index of the largest value, or of the first NaN when the row has one (bfloat16
- * widens to float32 exactly, so a bfloat16 row needs no float32 copy first). Eight lanes each keep
- * their first maximum; the lanes' winners are merged by value, then index. torch's own argmax over a
+ * widens to float32 exactly, so a bfloat16 row needs no float32 copy first). 32 lanes (four vectors)
+ * each keep their first maximum; the lanes' winners are merged by value, then index. torch's own argmax over a
  * whole vocabulary is a visible share of a large batch's step (benchmarks/sampling_bench.py's greedy case).
  */
 void kvg_argmax_rows(const void *x, int64_t ldx, int M, int64_t N, int64_t *out, int dt) {
@@ -375,30 +375,42 @@ void kvg_argmax_rows(const void *x, int64_t ldx, int M, int64_t N, int64_t *out,
         const int64_t row = (int64_t)m * ldx;
         int64_t best = 0;
         int64_t i = 0;
-        if (N >= 8) {
-            __m256 top = load8(x, row, dt), nan = _mm256_cmp_ps(top, top, _CMP_UNORD_Q);
-            __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx = at;
-            const __m256i step = _mm256_set1_epi32(8);
-            for (i = 8; i + 8 <= N; i += 8) {
-                const __m256 v = load8(x, row + i, dt);
+        if (N >= 32) { /* four chains of eight lanes, 32 values a turn: one chain waited on its compare and blend */
+            __m256 top[4], nan = _mm256_setzero_ps();
+            __m256i at[4];
+            for (int c = 0; c < 4; c++) {
+                top[c] = load8(x, row + 8 * c, dt);
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(top[c], top[c], _CMP_UNORD_Q));
+                at[c] = _mm256_setr_epi32(8 * c, 8 * c + 1, 8 * c + 2, 8 * c + 3, 8 * c + 4, 8 * c + 5, 8 * c + 6,
+                                          8 * c + 7);
+            }
+            __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            const __m256i step = _mm256_set1_epi32(32);
+            for (i = 32; i + 32 <= N; i += 32) {
                 idx = _mm256_add_epi32(idx, step);
-                const __m256 gt = _mm256_cmp_ps(v, top, _CMP_GT_OQ);
-                nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-                top = _mm256_blendv_ps(top, v, gt);
-                at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(idx), gt));
+                for (int c = 0; c < 4; c++) {
+                    const __m256 v = load8(x, row + i + 8 * c, dt);
+                    const __m256 gt = _mm256_cmp_ps(v, top[c], _CMP_GT_OQ);
+                    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                    top[c] = _mm256_blendv_ps(top[c], v, gt);
+                    const __m256i here = _mm256_add_epi32(idx, _mm256_set1_epi32(8 * c));
+                    at[c] = _mm256_castps_si256(
+                        _mm256_blendv_ps(_mm256_castsi256_ps(at[c]), _mm256_castsi256_ps(here), gt));
+                }
             }
             if (_mm256_movemask_ps(nan)) {  /* a NaN wins: the scalar scan below finds the first */
                 i = 0;
-            } else {
-                float tops[8];
-                int32_t ats[8];
-                _mm256_storeu_ps(tops, top);
-                _mm256_storeu_si256((__m256i *)ats, at);
-                best = ats[0];
-                for (int l = 1; l < 8; l++) {
-                    const float leader = load1(x, row + best, dt);
-                    if (tops[l] > leader || (tops[l] == leader && ats[l] < best)) best = ats[l];
+            } else {  /* each lane holds its first maximum; the largest of them, the first on ties */
+                float tops[32];
+                int32_t ats[32];
+                for (int c = 0; c < 4; c++) {
+                    _mm256_storeu_ps(tops + 8 * c, top[c]);
+                    _mm256_storeu_si256((__m256i *)(ats + 8 * c), at[c]);
                 }
+                best = ats[0];
+                float leader = tops[0];
+                for (int l = 1; l < 32; l++)
+                    if (tops[l] > leader || (tops[l] == leader && ats[l] < best)) best = ats[l], leader = tops[l];
             }
         }
         for (; i < N; i++) {
