@@ -20,37 +20,24 @@
  */
 
 #include "amx_tiles.h"
+#include "vector_math.h"
 #if defined(HAVE_AMX)
 
 #define TILE_SLAB 8 /* groups of 32 columns whose weights stay in L2 while every block of 32 rows passes */
 
 int kvg_tile_available(void) { return amx_granted(); }
 
-AMX_TARGET static inline __m512 bf16x16_to_f32(const uint16_t *p) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* f32_to_bf16 on 16 lanes: nearest even, NaN to the quiet NaN */
-AMX_TARGET static inline __m256i f32x16_to_bf16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
 /* rows of a 32-column block of sums (rows of 32 floats) out to y, as the header says */
 AMX_TARGET static void tile_put(const float *c, int rows, uint16_t *y, int64_t ldy, const uint16_t *bias, int acc) {
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < 2; h++) {
             __m512 v = _mm512_loadu_ps(c + r * 32 + h * 16);
-            if (bias) v = _mm512_add_ps(v, bf16x16_to_f32(bias + h * 16));
+            if (bias) v = _mm512_add_ps(v, bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)(bias + h * 16))));
             __m256i out = f32x16_to_bf16(v);
             uint16_t *dst = y + r * ldy + h * 16;
             if (acc) {
-                const __m512 rounded = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(out), 16));
-                out = f32x16_to_bf16(_mm512_add_ps(bf16x16_to_f32(dst), rounded));
+                const __m512 before = bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)dst));
+                out = f32x16_to_bf16(_mm512_add_ps(before, bf16x16_to_f32(out)));
             }
             _mm256_storeu_si256((__m256i *)dst, out);
         }

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 
 #include "scalar.h"
+#include "vector_math.h"
 
 static int num_threads = 1;
 
@@ -366,8 +367,8 @@ void kvg_rope_write_kv(void *qkv, int64_t ldq, const void *cos, const void *sin,
  * out[m] = argmax of row m of x ([M, N] of dtype dt, row stride ldx), as torch.argmax of the rows in
  * float32: the first index of the largest value, or of the first NaN when the row has one (bfloat16
  * widens to float32 exactly, so a bfloat16 row needs no float32 copy first). 32 lanes (four vectors)
- * each keep their first maximum; the lanes' winners are merged by value, then index. torch's own argmax over a
- * whole vocabulary is a visible share of a large batch's step (benchmarks/sampling_bench.py's greedy case).
+ * each keep their first maximum; the lanes' winners are merged by value, then index. torch's own argmax
+ * over a whole vocabulary is a visible share of a large batch's step (benchmarks/sampling_bench.py's greedy case).
  */
 void kvg_argmax_rows(const void *x, int64_t ldx, int M, int64_t N, int64_t *out, int dt) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if ((int64_t)M * N > 65536)
@@ -449,30 +450,6 @@ INLINE __m256 hsum8x8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_add_ps(c0, c2), _mm256_add_ps(c1, c3));
 }
 
-/*
- * exp of eight floats, within 2 ulp of expf for the softmax's x <= 0 (x is clamped to [-87.3, 88.3]:
- * below, the result is ~1e-38 rather than 0, which no sum of probabilities can tell apart).
- * x = n ln2 + r with |r| <= ln2/2 (ln2 split in two constants, so n ln2 is exact), exp(r) from a
- * degree-7 polynomial whose terms are the Taylor coefficients 1/k! tuned for the interval, times 2^n
- * built in the exponent bits. One call replaces eight calls of libm's expf.
- */
-INLINE __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
 INLINE float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -515,10 +492,11 @@ static void silu_mul_avx2(const void *gate_up, void *out, int M, int64_t I, int 
 
 /* tanh of eight floats as sign(u) (1 - 2 / (exp(2 |u|) + 1)), with exp8 */
 INLINE __m256 tanh8(__m256 u) {
-    const __m256 sign = _mm256_and_ps(u, _mm256_set1_ps(-0.0f));
-    const __m256 e = exp8(_mm256_add_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), u), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), u)));
-    const __m256 t = _mm256_sub_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
-    return _mm256_or_ps(t, sign);
+    const __m256 sign = _mm256_set1_ps(-0.0f), a = _mm256_andnot_ps(sign, u); /* |u| */
+    const __m256 e = exp8(_mm256_add_ps(a, a));
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+    return _mm256_or_ps(t, _mm256_and_ps(u, sign));
 }
 
 /*
@@ -693,14 +671,10 @@ INLINE void attention_chunk(const float *qf, const void *k_cache, const void *v_
  * scores differ from the AVX2 chunk's in the order of their partial sums only. On a cold cache it
  * reads faster than the AVX2 chunk, though still short of a plain read of the same rows.
  */
-#define AVX512_TARGET "avx2,fma,avx512f"
-#define AVX512_FN __attribute__((target(AVX512_TARGET), always_inline)) static inline
+#define AVX512_FN AVX512_INLINE /* (vector_math.h) */
 
 AVX512_FN __m512 load16(const void *p, int64_t i, int dt) {
-    if (dt == BF16) {
-        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    if (dt == BF16) return bf16x16_to_f32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
     return _mm512_loadu_ps((const float *)p + i);
 }
 
@@ -708,38 +682,9 @@ AVX512_FN __m256 fold16(__m512 v) {  /* lanes i + (i + 8) */
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
-/* exp8 on sixteen lanes: the same operations, so each lane's result is exp8's bit for bit */
-AVX512_FN __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
-
-/* bf16_bits8 on sixteen lanes: nearest even, NaN to 0x7fc0, in each lane's upper half */
-AVX512_FN __m512 round16_bf16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
-                                 _mm512_set1_epi32((int)0xffff0000u));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
-    return _mm512_castsi512_ps(r);
-}
-
 AVX512_FN void store16(void *p, int64_t i, __m512 v, int dt) {
     if (dt == BF16)
-        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16_bf16(v)), 16)));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), f32x16_to_bf16(v));
     else
         _mm512_storeu_ps((float *)p + i, v);
 }
@@ -767,7 +712,7 @@ __attribute__((target(AVX512_TARGET))) static void silu_mul_avx512(const void *g
 
 void kvg_silu_mul(const void *gate_up, void *out, int M, int64_t I, int dt) {
     static int avx512 = -1;
-    if (avx512 < 0) avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    if (avx512 < 0) avx512 = __builtin_cpu_supports("avx512f");
     if (avx512) silu_mul_avx512(gate_up, out, M, I, dt);
     else silu_mul_avx2(gate_up, out, M, I, dt);
 }

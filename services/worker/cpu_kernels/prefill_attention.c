@@ -23,6 +23,7 @@
 
 #include "amx_tiles.h"
 #include "scalar.h"
+#include "vector_math.h"
 
 #define ROWS 16      /* query rows per task: the lanes of a vector */
 #define TILE 64      /* keys converted to float32 at a time (2 x 16 KB at D = 64) */
@@ -31,24 +32,6 @@
 static int num_threads = 1;
 
 void kvp_set_num_threads(int n) { num_threads = n > 0 ? n : 1; }
-
-/* exp of 16 floats: decode_kernels.c's exp8 arithmetic on 16 lanes (within 2 ulp of expf for x <= 0). */
-INLINE __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
 
 /* In-register transpose of a 16 x 16 block: r[i] lane j becomes r[j] lane i. */
 INLINE void transpose16(__m512 r[16]) {

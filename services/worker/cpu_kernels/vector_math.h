@@ -1,0 +1,80 @@
+/*
+ * Vector math shared by the native CPU kernels (decode_kernels.c, prefill_attention.c, amx_gemm.h): exp on
+ * eight and sixteen floats, and bfloat16 <-> float32 on sixteen lanes. The sixteen-lane ones carry their own
+ * target, so a file compiled for AVX2 calls them from its AVX-512 functions; every lane's arithmetic is the
+ * same at either width, so a value never depends on the width that computed it.
+ */
+#ifndef KVGRID_VECTOR_MATH_H
+#define KVGRID_VECTOR_MATH_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#include "scalar.h"
+
+#define AVX512_TARGET "avx2,fma,avx512f"
+#define AVX512_INLINE __attribute__((target(AVX512_TARGET), always_inline)) static inline
+
+/*
+ * exp of eight floats, within 2 ulp of expf for the softmax's x <= 0 (x is clamped to [-87.3, 88.3]:
+ * below, the result is ~1e-38 rather than 0, which no sum of probabilities can tell apart).
+ * x = n ln2 + r with |r| <= ln2/2 (ln2 split in two constants, so n ln2 is exact), exp(r) from a
+ * degree-7 polynomial whose terms are the Taylor coefficients 1/k! tuned for the interval, times 2^n
+ * built in the exponent bits. One call replaces eight calls of libm's expf.
+ */
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* exp8 on sixteen lanes: the same operations, so each lane's result is exp8's bit for bit */
+AVX512_INLINE __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* bfloat16 bits to float32, sixteen lanes */
+AVX512_INLINE __m512 bf16x16_to_f32(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* round_to(v, BF16) on 16 lanes: nearest even, NaN to the quiet NaN (0x7fc0), kept as float32 */
+AVX512_INLINE __m512 round16_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)),
+                                 _mm512_set1_epi32((int)0xffff0000u));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(r);
+}
+
+/* f32_to_bf16 on 16 lanes: round16_bf16's bits */
+AVX512_INLINE __m256i f32x16_to_bf16(__m512 v) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round16_bf16(v)), 16));
+}
+
+#endif
