@@ -4,7 +4,7 @@ is whole 256-value super-blocks) is served with those blocks kept packed, and un
 next-token choice stays within the float32 model's top 5 at every step (the same file dequantized), with
 the top 1 agreeing at least 90% of the time; layer 0's v_proj, re-quantized to Q4_0 beside Q4_1 q and k,
 keeps its fused q/k/v packed as two parts. The same on Gemma 3 270M Q4_K_M from its PyPI package, every
-matrix packed (Q4_K, Q6_K; Q5_0 as Q8_0; Q8_0). Both print their top-1 agreement."""
+matrix packed (Q4_K, Q6_K, Q5_0, Q8_0). Both print their top-1 agreement."""
 
 from __future__ import annotations
 
@@ -116,5 +116,5 @@ def test_gemma3_teacher_forcing_stays_in_float_top5(tmp_path):
     dense = load_model(path, dtype="float32", device="cpu")
     linears = [m for m in quantized.model.modules() if isinstance(m, Linear)]
     assert all(m.packed is not None for m in linears)  # every matrix stays packed
-    assert packed_formats(quantized) == {"q4_k", "q6_k", "q8_0"}
+    assert packed_formats(quantized) == {"q4_k", "q5_0", "q6_k", "q8_0"}
     assert teacher_forced_agreement(quantized, dense, PROMPTS) >= 0.9

@@ -1,6 +1,7 @@
-"""q5_0 matrices of a GGUF (81 of Gemma 3 270M Q4_K_M's) are kept packed, repacked without loss as q8_0:
-the repacked blocks dequantize to exactly what ``gguf`` dequantizes the q5_0 bytes to (random blocks, real
-Gemma tensors), their native products equal the reference on every path, and ``read_gguf`` returns them so."""
+"""q5_0 matrices of a GGUF (81 of Gemma 3 270M Q4_K_M's) are kept packed as stored, 22 bytes per 32 values:
+they dequantize to exactly what ``gguf`` dequantizes them to (random blocks, real Gemma tensors), and their
+native products equal, bit for bit on every path, those of the same values stored as q8_0 (34 bytes a block,
+how kvgrid read them before), so a model's outputs do not depend on which of the two it holds."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from services.worker.cpu_kernels.library import QUANT_PATHS, select_quant_path
 from services.worker.quant import formats
-from services.worker.quant.gguf_weights import q5_0_as_q8_0, read_gguf
-from services.worker.quant.matmul import linear_into
+from services.worker.quant.gguf_weights import read_gguf
+from services.worker.quant.install import install_gguf
+from services.worker.quant.matmul import dequantize_rows, linear_into
 
 Q5_0 = gguf.GGMLQuantizationType.Q5_0
 
@@ -21,8 +24,12 @@ def randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def repacked(raw: np.ndarray, num_cols: int) -> formats.PackedWeight:
-    return formats.PackedWeight("q8_0", q5_0_as_q8_0(torch.from_numpy(raw).view(raw.shape[0], -1)), num_cols)
+def as_q5_0(raw: np.ndarray, num_cols: int) -> formats.PackedWeight:
+    return formats.PackedWeight("q5_0", torch.from_numpy(raw.copy()).view(raw.shape[0], -1), num_cols)
+
+
+def as_q8_0(raw: np.ndarray, num_cols: int) -> formats.PackedWeight:
+    return formats.q5_0_as_q8_0(as_q5_0(raw, num_cols))
 
 
 def ggml_dequantize(raw: np.ndarray) -> torch.Tensor:
@@ -63,27 +70,44 @@ def gemma_q5_0() -> dict[str, tuple[np.ndarray, int]]:
 
 
 def test_random_blocks_dequantize_as_ggml():
-    raw = random_blocks(7, 5, seed=1)
-    assert torch.equal(formats.dequantize(repacked(raw, 160)), ggml_dequantize(raw))
+    raw = random_blocks(13, 5, seed=1)
+    expected = ggml_dequantize(raw)
+    packed = as_q5_0(raw, 160)
+    assert torch.equal(formats.dequantize(packed), expected)
+    assert torch.equal(formats.dequantize(as_q8_0(raw, 160)), expected)  # the test's q8_0 stands for the same
+    tiled = formats.tile(packed)  # every fifth bit where the kernels look for it, and back
+    assert torch.equal(formats.untile(tiled).data, packed.data)
+    assert torch.equal(dequantize_rows(tiled), expected)  # the native unpacking of the tiled records
+    assert torch.equal(dequantize_rows(tiled, torch.tensor([12, 0, 9])), expected[[12, 0, 9]])
 
 
 def test_real_tensors_dequantize_as_ggml(gemma_q5_0):
     assert gemma_q5_0  # Q4_K_M stores some matrices as q5_0
     for name, (raw, cols) in gemma_q5_0.items():
-        assert torch.equal(formats.dequantize(repacked(raw, cols)), ggml_dequantize(raw)), name
+        expected = ggml_dequantize(raw)
+        assert torch.equal(formats.dequantize(as_q5_0(raw, cols)), expected), name
+        assert torch.equal(dequantize_rows(formats.tile(as_q5_0(raw, cols))), expected), name
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-def test_linear_equals_reference(lib, rows, gemma_q5_0):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_equal_the_same_values_as_q8_0(lib, rows, dtype, gemma_q5_0):
+    """Every path's integer sums are those of the q8_0 blocks of the same values, and so the outputs, bit for bit;
+    both are close to the reference (float64 over the same integers) and to the product the matrix stands for."""
     cases = [(random_blocks(13, 20, seed=2), 640)] + list(gemma_q5_0.values())
     for raw, cols in cases:
-        packed = repacked(raw, cols)
-        x = randn(rows, cols, seed=3)
-        out = torch.full((rows, packed.shape[0]), float("nan"))
-        linear_into(x, formats.tile(packed), None, out)
-        torch.testing.assert_close(out, formats.reference_linear(x, packed), atol=5e-5, rtol=1e-5)
-        exact = x @ ggml_dequantize(raw).T  # and close to the product the q5_0 matrix stands for
-        assert (out - exact).abs().max() < 0.05 * exact.abs().max()
+        n = raw.shape[0]
+        x = randn(rows, cols, seed=3).to(dtype)
+        bias = randn(n, seed=4).to(dtype)
+        out, same = (torch.full((rows, n), float("nan"), dtype=dtype) for _ in range(2))
+        linear_into(x, formats.tile(as_q5_0(raw, cols)), bias, out)
+        linear_into(x, formats.tile(as_q8_0(raw, cols)), bias, same)
+        assert torch.equal(out, same)
+        if dtype == torch.float32:
+            expected = formats.reference_linear(x, as_q5_0(raw, cols), bias)
+            torch.testing.assert_close(out, expected, atol=5e-5, rtol=1e-5)
+        exact = x.float() @ ggml_dequantize(raw).T + bias.float()
+        assert (out.float() - exact).abs().max() < 0.05 * exact.abs().max()
 
 
 def test_read_gguf_keeps_q5_0_packed(tmp_path):
@@ -97,5 +121,23 @@ def test_read_gguf_keeps_q5_0_packed(tmp_path):
     writer.close()
     [(name, value)] = list(read_gguf(path, num_heads=4, num_kv_heads=1))
     assert name == "model.layers.0.self_attn.v_proj.weight"
-    assert (value.format, value.shape) == ("q8_0", (8, 256))
+    assert (value.format, value.shape, value.nbytes) == ("q5_0", (8, 256), 8 * 8 * 22)
     assert torch.equal(formats.dequantize(value), ggml_dequantize(raw))
+
+
+def test_q5_0_beside_q8_0_fuses_as_q8_0():
+    """A fused q/k/v whose q and k are q5_0 and v q8_0 (as in Gemma 3 270M Q4_K_M) becomes one q8_0 matrix, not
+    two parts, so that decode steps keep their one native call; pieces all in q5_0 stay q5_0."""
+    q, k = random_blocks(16, 2, seed=5), random_blocks(8, 2, seed=6)
+    v = gguf.quants.quantize(randn(8, 64, seed=7).numpy(), gguf.GGMLQuantizationType.Q8_0)
+    v_packed = formats.PackedWeight("q8_0", torch.from_numpy(v.copy()), 64)
+    model = nn.ModuleDict({"qkv": nn.Linear(64, 32, bias=False), "gate_up": nn.Linear(64, 24, bias=False)})
+    install_gguf(model, {
+        "qkv.weight": [(24, v_packed), (0, as_q5_0(q, 64)), (16, as_q5_0(k, 64))],
+        "gate_up.weight": [(0, as_q5_0(q, 64)), (16, as_q5_0(k, 64))],
+    })  # fmt: skip
+    qkv, gate_up = model["qkv"].packed, model["gate_up"].packed
+    assert (qkv.format, qkv.shape) == ("q8_0", (32, 64)) and (gate_up.format, gate_up.shape) == ("q5_0", (24, 64))
+    v_values = torch.from_numpy(gguf.quants.dequantize(v, gguf.GGMLQuantizationType.Q8_0).copy())
+    assert torch.equal(formats.dequantize(qkv), torch.cat([ggml_dequantize(q), ggml_dequantize(k), v_values]))
+    assert torch.equal(formats.dequantize(gate_up), torch.cat([ggml_dequantize(q), ggml_dequantize(k)]))

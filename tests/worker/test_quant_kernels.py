@@ -20,6 +20,7 @@ GGML_TYPES = {
     "q8_0": gguf.GGMLQuantizationType.Q8_0,
     "q4_0": gguf.GGMLQuantizationType.Q4_0,
     "q4_1": gguf.GGMLQuantizationType.Q4_1,
+    "q5_0": gguf.GGMLQuantizationType.Q5_0,
 }
 # The kernel and the reference take the same integer dot products; only float summation order differs.
 TOLERANCE = {"atol": 5e-5, "rtol": 1e-5}
@@ -66,7 +67,7 @@ def test_dequantize_equals_ggml(fmt):
     assert torch.equal(dequantize_rows(tiled, index), expected[index])
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1", "q5_0"])
 def test_tiling_moves_bytes_only(fmt):
     """The kernels' tiled layout: whole tiles of rows, each value where the layout puts it, and back."""
     n, k = 13, 45 if fmt == "int8" else 64
@@ -79,15 +80,16 @@ def test_tiling_moves_bytes_only(fmt):
     first = tiled.data.view(-1)[tiled.data.numel() // 2 :]  # tile 1, block 0
     header = {"int8": 0, "q4_1": 32}.get(fmt, 16)
     values = first[header + 4 : header + 8]
-    if fmt.startswith("q4"):
+    if fmt.startswith(("q4", "q5")):
         expected, _, _ = formats.block_values(packed)  # nibbles: value j low, j + 16 high
-        assert (values.int() & 15).tolist() == (expected[9, 0, :4] + (8 if fmt == "q4_0" else 0)).tolist()
+        offset = {"q4_0": 8, "q5_0": 16}.get(fmt, 0)
+        assert (values.int() & 15).tolist() == ((expected[9, 0, :4] + offset) & 15).tolist()
     else:
         row = packed.data[9] if fmt == "int8" else packed.data[9, 2:6]
         assert values.view(torch.int8).tolist() == row[:4].view(torch.int8).tolist()
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1", "q5_0"])
 @pytest.mark.parametrize("rows,n,k", [(1, 64, 64), (3, 37, 96), (9, 130, 160)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_equals_reference(lib, fmt, rows, n, k, dtype):
@@ -126,7 +128,7 @@ def test_path_selection():
     assert select_quant_path(best) == best
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_1", "q5_0"])
 def test_extreme_values(lib, fmt):
     """Full-range weights and activations (int8 +-127 both sides: VNNI's x + 128 reaches 255), zero
     blocks, and one huge value per row (the rest of its block quantizes to small integers)."""

@@ -1,16 +1,19 @@
 /*
  * kvgrid quantized linear: y = x W^T for W packed as int8 per output channel or as ggml's
- * q8_0 / q4_0 / q4_1 blocks of 32, in the tiled layout of services/worker/quant/formats.py:
+ * q8_0 / q4_0 / q4_1 / q5_0 blocks of 32, in the tiled layout of services/worker/quant/formats.py:
  * rows in tiles of 8, and per (tile, block of 32 along K) one record holding the 8 rows' fp16
- * scales d (q8_0, q4_*), then their fp16 offsets m (q4_1), then their values 4 bytes at a time,
- * row after row (bytes 0-3 of rows 0..7, then bytes 4-7, ...). q4 bytes hold value j in their
- * low half and j + 16 in their high half, as ggml stores them. int8 records have no scales (one
- * float per channel, applied at the end) and K padded with zeros to whole blocks.
+ * scales d (q8_0, q4_*, q5_0), then their fp16 offsets m (q4_1), then their values 4 bytes at a
+ * time, row after row (bytes 0-3 of rows 0..7, then bytes 4-7, ...). q4 and q5 bytes hold value j
+ * in their low half and j + 16 in their high half, as ggml stores them; q5_0 records end with the
+ * values' fifth bits, one bit per byte of nibbles in the order the vectors below load them
+ * (formats.py's _fifth_bit_order). int8 records have no scales (one float per channel, applied at
+ * the end) and K padded with zeros to whole blocks.
  *
  * As ggml does: each row of x is quantized once per call to int8 blocks of 32 with one float
  * scale per block (d = max |x| / 127); then per block integer dot products, scaled by the two
  * blocks' scales and summed in float32. q4_1's offset m adds m * d_x * sum(q_x) per block; q4_0's
- * -8 adds -8 d * d_x * sum(q_x).
+ * -8 adds -8 d * d_x * sum(q_x). q5_0's -16 is taken off in the integers (q . q_x - 16 sum(q_x)),
+ * so its sums are those of the same values stored as q8_0, and so its outputs, bit for bit.
  *
  * AVX2: one 32-byte load holds 4 bytes of each of the tile's 8 rows, multiplied (maddubs) with
  * 4 bytes of x broadcast to every lane, so the eight int32 lanes are the eight rows' sums: no
@@ -23,8 +26,8 @@
  *
  * Work is split across threads by tiles, handed out dynamically in chunks, so a thread that
  * loses its core to another process delays only the chunk it holds. dtype codes of x and y:
- * scalar.h. Format codes: 0 int8, 1 q8_0, 2 q4_0, 3 q4_1, and ggml's K-quants 4 q4_k, 5 q5_k, 6 q6_k,
- * whose rows stay as stored (kquants.h).
+ * scalar.h. Format codes: 0 int8, 1 q8_0, 2 q4_0, 3 q4_1, 7 q5_0, and ggml's K-quants 4 q4_k, 5 q5_k,
+ * 6 q6_k, whose rows stay as stored (kquants.h).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -36,7 +39,7 @@
 #define HAVE_X86 1
 #endif
 
-enum { INT8 = 0, Q8_0 = 1, Q4_0 = 2, Q4_1 = 3, Q4_K = 4, Q5_K = 5, Q6_K = 6 };
+enum { INT8 = 0, Q8_0 = 1, Q4_0 = 2, Q4_1 = 3, Q4_K = 4, Q5_K = 5, Q6_K = 6, Q5_0 = 7 };
 enum { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_VNNI = 2 };
 #define QB 32  /* values per block */
 #define TILE 8 /* rows per tile */
@@ -74,10 +77,25 @@ INLINE float fp16_to_f32(const uint8_t *p) {
     return f;
 }
 
-/* Bytes of a record's scales, and of its values (8 rows x 32 bytes, or x 16 of nibbles). */
+INLINE int is_kquant(int fmt) { return fmt >= Q4_K && fmt <= Q6_K; }
+INLINE int has_nibbles(int fmt) { return fmt == Q4_0 || fmt == Q4_1 || fmt == Q5_0; }
+
+/* Bytes of a record's scales, and of its values (8 rows x 32 bytes, or x 16 of nibbles, + 4 of fifth bits). */
 INLINE int64_t header_bytes(int fmt) { return fmt == INT8 ? 0 : fmt == Q4_1 ? 2 * 2 * TILE : 2 * TILE; }
-INLINE int64_t value_bytes(int fmt) { return fmt == Q4_0 || fmt == Q4_1 ? TILE * QB / 2 : TILE * QB; }
+INLINE int64_t value_bytes(int fmt) {
+    return fmt == Q5_0 ? TILE * (QB / 2 + 4) : has_nibbles(fmt) ? TILE * QB / 2 : TILE * QB;
+}
 INLINE int64_t record_bytes(int fmt) { return header_bytes(fmt) + value_bytes(fmt); }
+
+/* The fifth bit of value j (< 32) of the tile's row i, from a q5_0 record's bits (formats.py's _fifth_bit_order):
+   per 64-byte vector of nibbles (chunks 2c and 2c + 1), 64 bits for its low halves, then 64 for its high
+   halves (values 16 + ...); within those, bit 32 * (chunk % 2) + 4 * row + byte, value j at byte j % 4 of
+   chunk j % 16 / 4. */
+INLINE int fifth_bit(const uint8_t *fifth, int64_t i, int j) {
+    const int high = j / 16, chunk = j % 16 / 4;
+    const int k = ((chunk / 2 * 2 + high) * 2 + chunk % 2) * 32 + (int)i * 4 + j % 4;
+    return fifth[k / 8] >> (k % 8) & 1;
+}
 
 /* ---- the activations: int8 blocks ---------------------------------------------------------- */
 
@@ -180,7 +198,7 @@ static QRows quantize_rows(const void *x, int M, int64_t K, int dt, int fmt) {
     (void)fmt; /* read by VNNI's widening only */
     QRows r;
     r.nb = (K + QB - 1) / QB;
-    const size_t blocks = (size_t)M * r.nb, wide = path == PATH_VNNI && fmt <= Q4_1 ? blocks * 8 * QB : 0;
+    const size_t blocks = (size_t)M * r.nb, wide = path == PATH_VNNI && !is_kquant(fmt) ? blocks * 8 * QB : 0;
     uint8_t *buf = scratch_of(blocks * QB + 2 * sizeof(float) * blocks + wide);
     r.q = (int8_t *)buf;
     r.d = (float *)(buf + blocks * QB);
@@ -211,10 +229,10 @@ static QRows quantize_rows(const void *x, int M, int64_t K, int dt, int fmt) {
 /*
  * Row n of the tiled matrix into q (nb * QB bytes), per-block scales d and offsets m: a block's
  * weights are d q + m. int8: d = 1 (the channel scale comes at the end), m = 0. q4: q holds the
- * raw nibbles 0..15, so q4_0's -8 d is an offset too.
+ * raw nibbles 0..15, so q4_0's -8 d is an offset too. q5_0: q holds q - 16 (as q8_0 would), m = 0.
  */
 static void unpack_row(const uint8_t *w, int64_t n, int64_t nb, int fmt, int8_t *q, float *d, float *m) {
-    const int64_t hdr = header_bytes(fmt), chunks = value_bytes(fmt) / (4 * TILE), i = n % TILE;
+    const int64_t hdr = header_bytes(fmt), chunks = has_nibbles(fmt) ? QB / 8 : QB / 4, i = n % TILE;
     const uint8_t *tile = w + (n / TILE) * nb * record_bytes(fmt);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *rec = tile + b * record_bytes(fmt);
@@ -223,10 +241,14 @@ static void unpack_row(const uint8_t *w, int64_t n, int64_t nb, int fmt, int8_t 
         uint8_t raw[QB];
         for (int64_t c = 0; c < chunks; c++) memcpy(raw + 4 * c, rec + hdr + c * 4 * TILE + 4 * i, 4);
         int8_t *out = q + b * QB;
-        if (chunks * 4 == QB)
+        if (!has_nibbles(fmt))
             memcpy(out, raw, QB);
         else
             for (int j = 0; j < QB / 2; j++) out[j] = (int8_t)(raw[j] & 15), out[j + QB / 2] = (int8_t)(raw[j] >> 4);
+        if (fmt == Q5_0) {
+            const uint8_t *fifth = rec + hdr + TILE * QB / 2;
+            for (int j = 0; j < QB; j++) out[j] = (int8_t)(out[j] + 16 * fifth_bit(fifth, i, j) - 16);
+        }
     }
 }
 
@@ -305,6 +327,18 @@ AVX2_FNS __m256i bcast4(const int8_t *p) {
 
 AVX2_FNS __m256 halves8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
+/* 32 fifth bits (4 bytes at p) as 32 bytes of 16 or 0: byte k takes bit k. */
+AVX2_FNS __m256i fifth_bytes(const uint8_t *p) {
+    int32_t bits;
+    memcpy(&bits, p, 4);
+    /* byte k takes byte k / 8 of the bits (each 128-bit lane holds all four) */
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull); /* byte k: 1 << k % 8 */
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(bits), spread), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+}
+
 /*
  * A block's 8 integer sums into the tile's float accumulators: times the rows' scales d (from the
  * record p) and x's d_x; q4_1's offsets m (q4_0's -8 d) times d_x * sum(q_x) accumulate apart.
@@ -347,6 +381,25 @@ AVX2_FNS __m256 tile_dot(const int fmt, const uint8_t *tile, int64_t nb, const i
                 s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, bcast4(x + QB / 2 + 4 * c)));
             }
             sums = _mm256_madd_epi16(s16, ones);
+        } else if (fmt == Q5_0) {
+            /* values 0..31 with their fifth bits: pairs up to 2 * 31 * 127, so each chunk widens on its own;
+               sum(q_x) (at most 32 * 127) in int16 throughout. */
+            const __m256i ones8 = _mm256_set1_epi8(1);
+            __m256i xsum = _mm256_setzero_si256();
+            sums = _mm256_setzero_si256();
+            for (int c = 0; c < 4; c++) { /* chunk c's fifth bits: 32-bit word 4 (c / 2) + c % 2, +2 for the high */
+                const uint8_t *fifth = v + 4 * QB + 16 * (c / 2) + 4 * (c % 2);
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(v + 32 * c));
+                const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, low4), fifth_bytes(fifth));
+                const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low4),
+                                                   fifth_bytes(fifth + 8));
+                const __m256i xl = bcast4(x + 4 * c), xh = bcast4(x + QB / 2 + 4 * c);
+                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xl), ones));
+                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(_mm256_maddubs_epi16(hi, xh), ones));
+                xsum = _mm256_add_epi16(xsum, _mm256_maddubs_epi16(ones8, xl));
+                xsum = _mm256_add_epi16(xsum, _mm256_maddubs_epi16(ones8, xh));
+            }
+            sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(_mm256_madd_epi16(xsum, ones), 4));
         } else {
             /* Signed weights: |w| times x carrying w's sign (maddubs takes unsigned by signed). */
             sums = _mm256_setzero_si256();
@@ -371,6 +424,7 @@ AVX2_FNS __m256 tile_dot(const int fmt, const uint8_t *tile, int64_t nb, const i
             case INT8: _mm256_storeu_ps(out, KERNEL(INT8, __VA_ARGS__)); break;       \
             case Q8_0: _mm256_storeu_ps(out, KERNEL(Q8_0, __VA_ARGS__)); break;       \
             case Q4_0: _mm256_storeu_ps(out, KERNEL(Q4_0, __VA_ARGS__)); break;       \
+            case Q5_0: _mm256_storeu_ps(out, KERNEL(Q5_0, __VA_ARGS__)); break;       \
             default: _mm256_storeu_ps(out, KERNEL(Q4_1, __VA_ARGS__)); break;         \
         }                                                                             \
     } while (0)
@@ -406,6 +460,23 @@ VNNI_FNS __m256 tile_dot_vnni(const int fmt, const uint8_t *tile, int64_t nb, co
                 s0 = _mm512_dpbusd_epi32(s0, lo, _mm512_loadu_si512(x + 64 * c));
                 s1 = _mm512_dpbusd_epi32(s1, hi, _mm512_loadu_si512(x + 128 + 64 * c));
             }
+        } else if (fmt == Q5_0) {
+            /* the nibbles with their fifth bits (one mask per vector: + 16 where set), then - 16 sum(q_x) */
+            const __m512i sixteen = _mm512_set1_epi8(16);
+            __m512i xsum = _mm512_setzero_si512();
+            for (int c = 0; c < 2; c++) {
+                uint64_t fifth[2]; /* the low halves' bits, the high halves' */
+                memcpy(fifth, v + 4 * QB + 16 * c, 16);
+                const __m512i raw = _mm512_loadu_si512(v + 64 * c);
+                const __m512i xl = _mm512_loadu_si512(x + 64 * c), xh = _mm512_loadu_si512(x + 128 + 64 * c);
+                __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                lo = _mm512_mask_add_epi8(lo, (__mmask64)fifth[0], lo, sixteen);
+                hi = _mm512_mask_add_epi8(hi, (__mmask64)fifth[1], hi, sixteen);
+                s0 = _mm512_dpbusd_epi32(s0, lo, xl);
+                s1 = _mm512_dpbusd_epi32(s1, hi, xh);
+                xsum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(xsum, ones, xl), ones, xh);
+            }
+            s1 = _mm512_sub_epi32(s1, _mm512_slli_epi32(xsum, 4));
         } else {
             for (int c = 0; c < 4; c++) {
                 const __m512i w = _mm512_loadu_si512(v + 64 * c);
@@ -461,7 +532,7 @@ void kvq_linear(const void *x, const void *w, const float *scales, const void *b
                 int64_t N, int64_t K, int fmt, int dt, int accumulate) {
     if (path < 0) kvq_select_path(PATH_VNNI);
     QRows xr = quantize_rows(x, M, K, dt, fmt);
-    if (fmt >= Q4_K) {
+    if (is_kquant(fmt)) {
         linear_k(&xr, w, bias, y, ldy, M, N, K, fmt, dt, accumulate);
         return;
     }
@@ -484,7 +555,7 @@ void kvq_linear(const void *x, const void *w, const float *scales, const void *b
 int kvq_takes_tiles(int fmt) {
     if (path < 0) kvq_select_path(PATH_VNNI);
 #ifdef HAVE_X86
-    return fmt < Q4_K && path > PATH_SCALAR;
+    return !is_kquant(fmt) && path > PATH_SCALAR;
 #else
     (void)fmt;
     return 0;
@@ -517,7 +588,7 @@ void kvq_linear_tiles(const void *x, const void *w, const float *scales, const v
 void kvq_dequantize_rows(const void *w, const float *scales, const int64_t *index, int64_t count, int64_t K, int fmt,
                          float *out) {
     const int64_t nb = (K + QB - 1) / QB;
-    if (fmt >= Q4_K) {
+    if (is_kquant(fmt)) {
         const int64_t row_bytes = K / QK * k_block_bytes(fmt);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (count > 1)
         for (int64_t i = 0; i < count; i++)

@@ -4,17 +4,20 @@ A ``PackedWeight`` is an [N, K] matrix (N output channels, K inputs) stored row 
 
 - ``int8``: int8 values and one float32 scale per output channel (``--quantization int8``,
   quantized at load from any checkpoint): w[n, k] = q[n, k] * scale[n].
-- ``q8_0``, ``q4_0``, ``q4_1``: ggml's blocks of 32 values along K, as a GGUF file stores them
+- ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``: ggml's blocks of 32 values along K, as a GGUF file stores them
   (``--quantization gguf``). Per block: q8_0 = fp16 d + 32 int8 (w = d q); q4_0 = fp16 d + 16
-  bytes of nibbles (w = d (q - 8)); q4_1 = fp16 d + fp16 m + 16 bytes (w = d q + m). Byte j of
-  a block's nibbles holds value j in its low half and value j + 16 in its high half.
+  bytes of nibbles (w = d (q - 8)); q4_1 = fp16 d + fp16 m + 16 bytes (w = d q + m); q5_0 = fp16 d
+  + 4 bytes qh (bit j: value j's fifth bit) + 16 bytes of nibbles (w = d (q - 16)). Byte j of a
+  block's nibbles holds value j in its low half and value j + 16 in its high half.
 - ``q4_k``, ``q5_k``, ``q6_k``: ggml's K-quant super-blocks of 256 values along K (``kquants``), as stored.
 
 The native kernels read a tiled copy instead (``tile``; ``PackedWeight.tiled``): rows in tiles of
 ``TILE``, and per (tile, block of 32 along K) one record with the tile's fp16 scales d (q8_0, q4_*),
 then its fp16 offsets m (q4_1), then the values 4 bytes at a time, row after row: bytes 0-3 of rows
-0..7, then bytes 4-7, and so on (see ``quant_kernels.c`` for why). Tiling moves bytes only: the same
-blocks, the same size (plus zero rows up to a whole tile, and for int8 zeros up to whole blocks). K-quant
+0..7, then bytes 4-7, and so on (see ``quant_kernels.c`` for why). q5_0's records end with the 8 rows'
+fifth bits, 32 bytes in the order the kernels' vectors take the nibbles (``_fifth_bit_order``). Tiling
+moves bits only: the same blocks, the same size (plus zero rows up to a whole tile, and for int8 zeros up
+to whole blocks). K-quant
 rows are not tiled: their kernel reads each row's super-blocks as stored (``tile`` only marks them ready).
 
 Every other function here is the slow, obvious definition the native kernels are tested against;
@@ -31,9 +34,11 @@ import torch
 from services.worker.quant import kquants
 
 BLOCK = 32  # values per ggml block
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, **kquants.K_BLOCK_BYTES}
-FORMAT_CODES = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6}  # see quant_kernels.c
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, **kquants.K_BLOCK_BYTES}
+# the format codes of quant_kernels.c
+FORMAT_CODES = {"int8": 0, "q8_0": 1, "q4_0": 2, "q4_1": 3, "q4_k": 4, "q5_k": 5, "q6_k": 6, "q5_0": 7}
 TILE = 8  # rows per tile of the tiled layout
+_QH_BYTES = {"q5_0": 4}  # bytes of fifth bits after a block's d
 
 
 @dataclass(slots=True)
@@ -119,6 +124,15 @@ def concat_rows(parts: list[PackedWeight]) -> PackedWeight:
     return PackedWeight(first.format, torch.cat([p.data for p in parts]).contiguous(), first.num_cols, scales)
 
 
+def q5_0_as_q8_0(packed: PackedWeight) -> PackedWeight:
+    """A q5_0 matrix as q8_0 blocks of the same values (34 bytes a block instead of 22): q5_0's w = d (q - 16),
+    q in 0..31, is q8_0's w = d q' with q' = q - 16, and the kernels' products on the two are equal bit for bit."""
+    q, _, _ = block_values(packed)
+    blocks = _blocks(packed)
+    data = torch.cat([blocks[..., :2], q.to(torch.int8).view(torch.uint8)], dim=-1)
+    return PackedWeight("q8_0", data.reshape(packed.shape[0], -1).contiguous(), packed.num_cols)
+
+
 def quantize_int8(weight: torch.Tensor) -> PackedWeight:
     """Symmetric per-output-channel int8: scale = max |w| / 127 per row."""
     w = weight.detach().float()
@@ -140,7 +154,32 @@ def _record_layout(fmt: str) -> tuple[int, int]:
     """(fp16 fields per row in a block: d, and m for q4_1; 4-byte value chunks per row in a block)."""
     if fmt == "int8":
         return 0, BLOCK // 4
-    return (2 if fmt == "q4_1" else 1), (BLOCK // 8 if fmt.startswith("q4") else BLOCK // 4)
+    return (2 if fmt == "q4_1" else 1), (BLOCK // 8 if fmt.startswith(("q4", "q5")) else BLOCK // 4)
+
+
+def _fifth_bit_order() -> torch.Tensor:
+    """Which of a tile's fifth bits (row r, value v: r * 32 + v) each of a q5_0 record's 256 takes, in the
+    order of the nibbles the kernels load: per pair c of 64-byte vectors (chunks 2c and 2c + 1, 4 bytes of
+    each row in turn), the low halves' bits, then the high halves' (values + 16)."""
+    c, high, chunk, r, byte = torch.meshgrid(*(torch.arange(n) for n in (2, 2, 2, TILE, 4)), indexing="ij")
+    return (r * BLOCK + 16 * high + 4 * (2 * c + chunk) + byte).reshape(-1)
+
+
+def _q5_0_masks(qh: torch.Tensor) -> torch.Tensor:
+    """[t, b, TILE, 4] uint8 qh (little-endian) -> [t, b, 32] uint8: the record's fifth bits in kernel order."""
+    t, b = qh.shape[:2]
+    bits = (qh.contiguous().view(torch.int32).long() >> torch.arange(BLOCK)) & 1  # [t, b, TILE, 32]
+    ordered = bits.reshape(t, b, TILE * BLOCK)[..., _fifth_bit_order()]
+    return (ordered.view(t, b, BLOCK, 8) << torch.arange(8)).sum(-1).to(torch.uint8)
+
+
+def _q5_0_qh(masks: torch.Tensor) -> torch.Tensor:
+    """``_q5_0_masks`` undone: [t, b, 32] uint8 -> [t, b, TILE, 4] uint8."""
+    t, b = masks.shape[:2]
+    bits = torch.empty(t, b, TILE * BLOCK, dtype=torch.int64)
+    bits[..., _fifth_bit_order()] = ((masks.long()[..., None] >> torch.arange(8)) & 1).reshape(t, b, -1)
+    qh = (bits.view(t, b, TILE, BLOCK) << torch.arange(BLOCK)).sum(-1, keepdim=True)
+    return ((qh >> torch.arange(0, 32, 8)) & 255).to(torch.uint8)  # little-endian
 
 
 def tile(packed: PackedWeight) -> PackedWeight:
@@ -164,10 +203,13 @@ def tile(packed: PackedWeight) -> PackedWeight:
         blocks = blocks.view(rows // TILE, TILE, k // BLOCK, BLOCK_BYTES[packed.format])
     blocks = blocks.transpose(1, 2)  # [tiles, blocks, TILE, block bytes]
     t, b = blocks.shape[:2]
+    start = 2 * fields + _QH_BYTES.get(packed.format, 0)  # the values' first byte in a block
     header = blocks[..., : 2 * fields].reshape(t, b, TILE, fields, 2).transpose(2, 3)
-    values = blocks[..., 2 * fields :].reshape(t, b, TILE, chunks, 4).transpose(2, 3)
-    records = torch.cat([header.reshape(t, b, 2 * fields * TILE), values.reshape(t, b, 4 * chunks * TILE)], dim=-1)
-    return replace(packed, data=records.reshape(rows, width), tiled=True)
+    values = blocks[..., start:].reshape(t, b, TILE, chunks, 4).transpose(2, 3)
+    record = [header.reshape(t, b, 2 * fields * TILE), values.reshape(t, b, 4 * chunks * TILE)]
+    if packed.format == "q5_0":
+        record.append(_q5_0_masks(blocks[..., 2 * fields : start]))
+    return replace(packed, data=torch.cat(record, dim=-1).reshape(rows, width), tiled=True)
 
 
 def untile(packed: PackedWeight) -> PackedWeight:
@@ -183,10 +225,13 @@ def untile(packed: PackedWeight) -> PackedWeight:
     fields, chunks = _record_layout(packed.format)
     t, b = rows // TILE, -(-k // BLOCK)
     records = packed.data.reshape(t, b, -1)
+    end = (2 * fields + 4 * chunks) * TILE  # the values' end in a record
     header = records[..., : 2 * fields * TILE].reshape(t, b, fields, TILE, 2).transpose(2, 3)
-    values = records[..., 2 * fields * TILE :].reshape(t, b, chunks, TILE, 4).transpose(2, 3)
-    blocks = torch.cat([header.reshape(t, b, TILE, 2 * fields), values.reshape(t, b, TILE, 4 * chunks)], dim=-1)
-    data = blocks.transpose(1, 2).reshape(rows, width)[:n]
+    values = records[..., 2 * fields * TILE : end].reshape(t, b, chunks, TILE, 4).transpose(2, 3)
+    block = [header.reshape(t, b, TILE, 2 * fields), values.reshape(t, b, TILE, 4 * chunks)]
+    if packed.format == "q5_0":
+        block.insert(1, _q5_0_qh(records[..., end:]))
+    data = torch.cat(block, dim=-1).transpose(1, 2).reshape(rows, width)[:n]
     if packed.format == "int8":
         data = data[:, :k]
     return replace(packed, data=data.contiguous(), tiled=False)
@@ -208,11 +253,14 @@ def block_values(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torc
     d = _fp16(blocks[..., 0:2])
     if packed.format == "q8_0":
         return blocks[..., 2:].contiguous().view(torch.int8).int(), d, None
-    start = 4 if packed.format == "q4_1" else 2
+    start = {"q4_1": 4, "q5_0": 6}.get(packed.format, 2)
     nibbles = blocks[..., start : start + 16].int()
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)  # low halves are values 0-15, high 16-31
     if packed.format == "q4_0":
         return q - 8, d, None
+    if packed.format == "q5_0":
+        qh = blocks[..., 2:6].contiguous().view(torch.int32).long()  # [N, B, 1]
+        return (q | ((qh >> torch.arange(BLOCK)) & 1).int() << 4) - 16, d, None
     return q, d, _fp16(blocks[..., 2:4])
 
 

@@ -1,5 +1,5 @@
-"""A GGUF file's tensors under Hugging Face names, q8_0 / q4_0 / q4_1 and K-quant (q4_k / q5_k / q6_k) matrices
-kept as stored, q5_0 ones repacked without loss as q8_0 (``q5_0_as_q8_0``).
+"""A GGUF file's tensors under Hugging Face names, q8_0 / q4_0 / q4_1 / q5_0 and K-quant (q4_k / q5_k / q6_k)
+matrices kept as stored.
 
 Only the ``gguf`` package reads the file (transformers' GGUF reader dequantizes everything).
 Tensors of other types (float norms, other quantizations) are dequantized by ``gguf`` itself
@@ -22,30 +22,13 @@ import torch
 from services.worker.quant.formats import PackedWeight
 from services.worker.quant.gguf_names import PERMUTED_ARCHS, expert_names, hf_name
 
-_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
-_Q5_0_BYTES = 22  # fp16 d, 4 bytes qh (bit j: the fifth bit of value j), 16 bytes of nibbles as q4_0's
+_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 
 
 def unpermute_rows(num_rows: int, num_heads: int) -> torch.Tensor:
     """Row order that undoes llama.cpp's q/k permutation (transformers' _reverse_permute_weights)."""
     dim = num_rows // num_heads // 2
     return torch.arange(num_rows).view(num_heads, dim, 2).transpose(1, 2).reshape(-1)
-
-
-def q5_0_as_q8_0(data: torch.Tensor) -> torch.Tensor:
-    """ggml q5_0 blocks [N, B * 22] -> the same values as q8_0 blocks [N, B * 34].
-
-    q5_0's w = d (q - 16), q in 0..31, is q8_0's w = d q' with q' = q - 16 in int8 and the same fp16 d,
-    so the products (and gguf's dequantization) come out the same; a block takes 34 bytes, not 22, and
-    the q8_0 kernels do the products."""
-    rows = data.shape[0]
-    blocks = data.view(rows, -1, _Q5_0_BYTES)
-    qh = blocks[..., 2:6].contiguous().view(torch.int32).long()  # [N, B, 1], little-endian as stored
-    fifth = (qh >> torch.arange(32)) & 1  # [N, B, 32]
-    nibbles = blocks[..., 6:].long()
-    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1) | (fifth << 4)  # value j low halves, j + 16 high
-    values = (q - 16).to(torch.int8).view(torch.uint8)
-    return torch.cat([blocks[..., :2], values], dim=-1).reshape(rows, -1).contiguous()
 
 
 def gguf_architecture(reader) -> str:
@@ -78,10 +61,6 @@ def read_gguf(
         if fmt is not None and len(tensor.shape) == 2:
             rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dims innermost first
             value = PackedWeight(fmt, torch.from_numpy(np.array(tensor.data, copy=True)).view(rows, -1), cols)
-        elif kind == "Q5_0" and len(tensor.shape) == 2 and not dequantize:
-            rows, cols = int(tensor.shape[1]), int(tensor.shape[0])
-            raw = torch.from_numpy(np.array(tensor.data, copy=True)).view(rows, -1)
-            value = PackedWeight("q8_0", q5_0_as_q8_0(raw), cols)
         else:
             array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             value = torch.from_numpy(np.array(array, dtype=np.float32, copy=True))

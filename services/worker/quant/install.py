@@ -14,7 +14,14 @@ import math
 import torch
 from torch import nn
 
-from services.worker.quant.formats import PackedParts, PackedWeight, concat_rows, dequantize, quantize_int8
+from services.worker.quant.formats import (
+    PackedParts,
+    PackedWeight,
+    concat_rows,
+    dequantize,
+    q5_0_as_q8_0,
+    quantize_int8,
+)
 from services.worker.quant.matmul import kernel_layout, with_amx_copy
 
 log = logging.getLogger(__name__)
@@ -38,8 +45,10 @@ def install_gguf(model: nn.Module, parts: dict[str, list[tuple[int, PackedWeight
     """Packed checkpoint pieces by parameter name (fused ones by row offset) into their modules.
 
     A fused weight whose pieces differ in format (a GGUF may store v in another type than q) keeps its
-    pieces as ``PackedParts``, runs of one format joined; one whose pieces do not cover it is dequantized
-    into the float parameter instead, and the log says so."""
+    pieces as ``PackedParts``, runs of one format joined, except that q5_0 pieces beside q8_0 ones become
+    q8_0 (the same values and products), so that the fused matrix stays one, which a decode step's one
+    native call takes (``llama_one_call``); one whose pieces do not cover it is dequantized into the float
+    parameter instead, and the log says so."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     for name, pieces in parts.items():
@@ -47,6 +56,8 @@ def install_gguf(model: nn.Module, parts: dict[str, list[tuple[int, PackedWeight
         param = params[name]
         rows = sum(p.shape[0] for _, p in pieces)
         if rows == param.shape[0]:
+            if {p.format for _, p in pieces} == {"q5_0", "q8_0"}:
+                pieces = [(at, q5_0_as_q8_0(p) if p.format == "q5_0" else p) for at, p in pieces]
             runs: list[list[PackedWeight]] = []  # neighbouring pieces of one format
             for _, piece in pieces:
                 if runs and runs[-1][0].format == piece.format:
