@@ -1,7 +1,7 @@
 """q5_0 matrices of a GGUF (81 of Gemma 3 270M Q4_K_M's) are kept packed as stored, 22 bytes per 32 values:
 they dequantize to exactly what ``gguf`` dequantizes them to (random blocks, real Gemma tensors), and their
 native products equal, bit for bit on every path, those of the same values stored as q8_0 (34 bytes a block,
-how kvgrid read them before), so a model's outputs do not depend on which of the two it holds."""
+as a fused matrix takes q5_0 parts beside q8_0 ones), so a model's outputs do not depend on which it holds."""
 
 from __future__ import annotations
 

@@ -12,13 +12,13 @@ A ``PackedWeight`` is an [N, K] matrix (N output channels, K inputs) stored row 
 - ``q4_k``, ``q5_k``, ``q6_k``: ggml's K-quant super-blocks of 256 values along K (``kquants``), as stored.
 
 The native kernels read a tiled copy instead (``tile``; ``PackedWeight.tiled``): rows in tiles of
-``TILE``, and per (tile, block of 32 along K) one record with the tile's fp16 scales d (q8_0, q4_*),
-then its fp16 offsets m (q4_1), then the values 4 bytes at a time, row after row: bytes 0-3 of rows
-0..7, then bytes 4-7, and so on (see ``quant_kernels.c`` for why). q5_0's records end with the 8 rows'
-fifth bits, 32 bytes in the order the kernels' vectors take the nibbles (``_fifth_bit_order``). Tiling
-moves bits only: the same blocks, the same size (plus zero rows up to a whole tile, and for int8 zeros up
-to whole blocks). K-quant
-rows are not tiled: their kernel reads each row's super-blocks as stored (``tile`` only marks them ready).
+``TILE``, and per (tile, block of 32 along K) one record with the tile's fp16 scales d (q8_0, q4_*,
+q5_0), then its fp16 offsets m (q4_1), then the values 4 bytes at a time, row after row: bytes 0-3 of
+rows 0..7, then bytes 4-7, and so on (see ``quant_kernels.c`` for why); q5_0's records end with the 8
+rows' fifth bits, 32 bytes in the order the kernels' vectors take the nibbles (``_fifth_bit_order``).
+Tiling moves bits only: the same blocks, the same size (plus zero rows up to a whole tile, and for int8
+zeros up to whole blocks). K-quant rows are not tiled: their kernel reads each row's super-blocks as
+stored (``tile`` only marks them ready).
 
 Every other function here is the slow, obvious definition the native kernels are tested against;
 they take either layout.
