@@ -466,6 +466,14 @@ void kvg_exp(const float *x, float *y, int64_t n) {
     for (; i < n; i++) y[i] = exp1(x[i]);
 }
 
+/* A row's values from i on, one at a time (the vector loops' tails, with the same arithmetic) */
+INLINE void silu_mul_tail(const void *gate_up, void *out, int64_t g, int64_t o, int64_t i, int64_t I, int dt) {
+    for (; i < I; i++) {
+        const float gate = load1(gate_up, g + i, dt);
+        store1(out, o + i, round_to(gate / (1.0f + exp1(-gate)), dt) * load1(gate_up, g + I + i, dt), dt);
+    }
+}
+
 /*
  * out[m, i] = silu(gate_up[m, i]) * gate_up[m, I + i]: torch rounds silu's output, then the product.
  * silu(g) = g / (1 + exp(-g)) with exp8, eight at a time (libm's expf, one scalar call per value,
@@ -483,10 +491,7 @@ static void silu_mul_avx2(const void *gate_up, void *out, int M, int64_t I, int 
             const __m256 silu = round8(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), dt);
             store8(out, o + i, _mm256_mul_ps(silu, load8(gate_up, g + I + i, dt)), dt);
         }
-        for (; i < I; i++) {
-            const float gate = load1(gate_up, g + i, dt);
-            store1(out, o + i, round_to(gate / (1.0f + exp1(-gate)), dt) * load1(gate_up, g + I + i, dt), dt);
-        }
+        silu_mul_tail(gate_up, out, g, o, i, I, dt);
     }
 }
 
@@ -703,10 +708,7 @@ __attribute__((target(AVX512_TARGET))) static void silu_mul_avx512(const void *g
             if (dt == BF16) silu = round16_bf16(silu);
             store16(out, o + i, _mm512_mul_ps(silu, load16(gate_up, g + I + i, dt)), dt);
         }
-        for (; i < I; i++) {
-            const float gate = load1(gate_up, g + i, dt);
-            store1(out, o + i, round_to(gate / (1.0f + exp1(-gate)), dt) * load1(gate_up, g + I + i, dt), dt);
-        }
+        silu_mul_tail(gate_up, out, g, o, i, I, dt);
     }
 }
 
