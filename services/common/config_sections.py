@@ -154,7 +154,7 @@ class SchedulerConfig:
     num_scheduler_steps: int = option(
         0,
         "decode steps one plan may stand for while every running request decodes and none waits"
-        " (0: auto, as many as fit in 50 ms at the last decode step's time, at most 8)",
+        " (0: auto, as many as fit in 50 ms at the last decode step's time, at most 16)",
     )
     worker_reconnect_timeout: float = option(
         180.0, "seconds the requests of a lost worker wait for a worker to resume them before failing (UNAVAILABLE)"

@@ -9,7 +9,9 @@ takes as many as fit in ``PLAN_SECONDS`` at the last decode-only step's time,
 so only short steps are grouped, and a request arriving meanwhile waits about
 that long at most for its prefill. The scheduler allocates the blocks of all
 the plan's tokens up front, and a request that stops within the plan (EOS, a
-stop token) drops the tokens sampled after its stop.
+stop token) drops the tokens sampled after its stop. The worker ends a plan
+early once every request in it has sampled a stop token, so a lone request's
+EOS is answered at once however long its plan.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 
 # Auto: plans of decode steps up to this long in all, of at most MAX_PLAN_STEPS steps.
 PLAN_SECONDS = 0.05
-MAX_PLAN_STEPS = 8
+MAX_PLAN_STEPS = 16
 
 
 def describe(setting: int) -> str:

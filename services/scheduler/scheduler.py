@@ -19,7 +19,8 @@ discarded in ``update_from_output``, never returned.
 
 Plans of several steps (``SchedulerOutput.num_steps``): while every running
 request decodes and none waits, a plan may stand for several decode steps; see
-``plan_steps``. A request that stops within one drops the tokens after its stop.
+``plan_steps``. A request that stops within one drops the tokens after its stop; the worker ends a plan
+early once every request in it has sampled a stop token.
 """
 
 from __future__ import annotations
@@ -364,10 +365,12 @@ class Scheduler:
                 if request.status is not running or requests.get(request_id) is not request:
                     continue  # its tokens (if any) are discarded
                 got, k = len(samples) if samples else 0, getattr(plan, "num_lookahead_tokens", 0)
-                if not (1 <= got <= 1 + k if k else got == num_steps):
+                if not (1 <= got <= 1 + k if k else 1 <= got <= num_steps):
                     raise WorkerProtocolError(
                         f"step {out.step_id}: {got} tokens sampled for {request_id!r}, planned {num_steps}"
                     )
+                if not k and got < num_steps:  # the worker ended the plan early: every request in it stopped
+                    request.num_computed_tokens -= num_steps - got  # (the steps not run computed nothing)
                 for i, (token_id, logprob) in enumerate(samples):
                     if i < num_steps:
                         request.num_output_placeholders -= 1
@@ -380,6 +383,10 @@ class Scheduler:
                         results[-1].prompt_logprobs = take_prompt_logprobs(request)
                     if finish is not None:
                         break  # the tokens the plan sampled after the stop are discarded
+                if finish is None and got < num_steps:
+                    raise WorkerProtocolError(
+                        f"step {out.step_id}: {got} of {num_steps} tokens for {request_id!r}, which did not stop"
+                    )
                 cache(request)
                 if finish is not None:
                     del requests[request_id]

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.common.config import SchedulerConfig
+from services.scheduler.convert import plan_to_proto, sampled_from_proto
 from services.scheduler.plan_steps import MAX_PLAN_STEPS, PLAN_SECONDS, describe
 from services.scheduler.request import RequestStatus
+from services.scheduler.scheduler import WorkerProtocolError
 from tests.scheduler.core import Driver, make_request, make_scheduler
 from tests.scheduler.fake_worker import generate, next_token
 
@@ -77,6 +81,34 @@ def test_a_stop_inside_a_plan_drops_the_tokens_after_it_and_frees_the_blocks():
     assert [r.token_id for r in results] == generate([5, 6, 7], 3, 1000)[1:]  # 2 of the plan's 4 tokens
     assert results[-1].finish is RequestStatus.FINISHED_STOPPED
     assert d.scheduler.kv.pool.num_used_blocks == 0 and d.scheduler.schedule().finished_ids == ["a"]
+
+
+def _ended_early(steps: int, cut: int) -> tuple[Driver, list]:
+    """One request (prompt [5, 6, 7], blocks of 2) whose 3rd output token is EOS, in a plan of 4 steps the worker
+    answers with only its first ``cut`` tokens; returns the driver and the plan's results."""
+    eos = next_token([5, 6, 7, *generate([5, 6, 7], 2, 1000)], 1000)
+    d = Driver(make_scheduler(64, 2, num_scheduler_steps=steps, eos=(eos,)))
+    d.scheduler.add_request(make_request("a", [5, 6, 7], max_tokens=50))
+    d.step()
+    out = d.scheduler.schedule()
+    assert out.num_steps == 4
+    sampled = sampled_from_proto(d.model.step(plan_to_proto(out)))[:cut]
+    return d, d.scheduler.update_from_output(out, sampled)
+
+
+def test_a_plan_the_worker_ends_at_its_request_s_stop_gives_the_same_tokens_and_caches_only_computed_blocks():
+    d, results = _ended_early(4, 2)  # steps 1 and 2 ran: the 2nd sampled the EOS
+    assert [r.token_id for r in results] == generate([5, 6, 7], 3, 1000)[1:]
+    assert results[-1].finish is RequestStatus.FINISHED_STOPPED
+    assert d.scheduler.kv.pool.num_used_blocks == 0
+    # Known: the prompt and 3 outputs (6 tokens); K/V computed for 5 of them (the EOS is never computed), so
+    # 2 blocks of 2 are registered for reuse, not the 3rd, which holds the EOS's position.
+    assert len(d.scheduler.kv.pool.cached_hashes()) == 2
+
+
+def test_a_plan_cut_short_without_a_stop_is_a_protocol_error():
+    with pytest.raises(WorkerProtocolError, match="did not stop"):
+        _ended_early(4, 1)  # 1 of 4 tokens, and it is no stop
 
 
 def test_a_pool_without_room_for_the_plan_s_tokens_plans_one_step_without_preempting():

@@ -103,3 +103,25 @@ def test_async_scheduling_gives_the_tokens_of_sync_scheduling_through_the_worker
     assert any(t[-1] == EOS for t in sync_tokens.values()) or all(r.sampling.ignore_eos for r in requests)
     for r in requests:
         assert 0 < len(sync_tokens[r.request_id]) <= r.sampling.max_tokens
+
+
+def test_a_plan_whose_requests_all_stopped_ends_early_with_the_tokens_of_one_step_plans(tmp_path):
+    """A lone request whose stop token comes 4th: in a plan of 8 steps the worker stops after the 4th step (the
+    rest would be dropped), and the request ends with the tokens, and finish, of one-step plans."""
+    model_dir = str(tmp_path / "tiny")
+    save_tiny_model(model_dir, "llama", seed=1)
+    save_tiny_tokenizer(model_dir)
+    core = build_core(_config(model_dir, True))
+    prompt = [17, 33, 2, 90, 41]
+    free = submit_request("free", prompt, max_tokens=24, ignore_eos=True)
+    tokens = asyncio.run(_run(model_dir, core, False, [free]))[0]["free"]
+    first = next(i for i in range(3, len(tokens)) if tokens[i] not in tokens[:i])  # its first occurrence
+    stopped = submit_request("stopped", prompt, max_tokens=24, ignore_eos=True, stop_token_ids=[tokens[first]])
+    one_step = asyncio.run(_run(model_dir, core, True, [stopped]))
+    plans = []
+    execute_steps = core.runner.execute_steps
+    core.runner.execute_steps = lambda batch, n: plans.append((n, len(rows := execute_steps(batch, n)))) or rows
+    multi_step = asyncio.run(_run(model_dir, core, True, [stopped], steps=8))
+    assert one_step[0]["stopped"] == multi_step[0]["stopped"] == tokens[: first + 1]
+    assert one_step[1] == multi_step[1]
+    assert any(rows < n for n, rows in plans), plans  # a plan answered before its last step

@@ -52,6 +52,9 @@ class RequestSampling:
     # Stop tokens (stop_token_ids, plus EOS unless ignore_eos) banned while num_output_tokens < min_tokens.
     min_tokens: int = 0
     min_tokens_banned: list[int] = field(default_factory=list)
+    # The tokens that end the request once min_tokens are out (the scheduler's stop rule; stop strings are the
+    # frontend's): a plan of several steps ends early when each of its requests has sampled one.
+    stop_token_ids: frozenset[int] = frozenset()
     # Penalty state, only for penalised requests. Until the sampler first sees the request
     # prompt_token_ids holds the prompt; pending_token_ids holds outputs not yet in output_counts.
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -103,6 +106,7 @@ class RequestSampling:
             constraint=constraint,
         )
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        state.stop_token_ids = frozenset(banned)
         if params.min_tokens > 0 and banned:
             state.min_tokens = params.min_tokens
             state.min_tokens_banned = sorted(banned)
@@ -120,6 +124,10 @@ class RequestSampling:
     def plain_greedy(self) -> bool:
         """Argmax of the raw logits is this request's whole sampling step."""
         return self.argmax_only and self.num_output_tokens >= self.min_tokens
+
+    def stops(self, token_id: int) -> bool:
+        """Whether ``token_id``, just appended, ends the request (as the scheduler's stop check finds)."""
+        return token_id in self.stop_token_ids and self.num_output_tokens >= self.min_tokens
 
     def append(self, token_id: int) -> None:
         """Record a token sampled for this request (the worker calls this once per sampled token)."""
