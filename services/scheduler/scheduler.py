@@ -19,8 +19,9 @@ discarded in ``update_from_output``, never returned.
 
 Plans of several steps (``SchedulerOutput.num_steps``): while every running
 request decodes and none waits, a plan may stand for several decode steps; see
-``plan_steps``. A request that stops within one drops the tokens after its stop; the worker ends a plan
-early once every request in it has sampled a stop token.
+``plan_steps``. A request that stops within one drops the tokens after its
+stop; the worker ends a plan early once every request in it has sampled a stop
+token.
 """
 
 from __future__ import annotations
