@@ -230,17 +230,16 @@ class ModelRunner:
     def execute_steps(self, requests: list[RequestState], num_steps: int) -> list[SampledRow]:
         """``execute`` ``num_steps`` times over a batch of decodes that all sample: each step computes the token
         the step before sampled (a plan of several steps, see StepPlan.num_steps). Rows in step order. Fewer
-        steps once every request has sampled a stop token: the scheduler would drop what the rest sampled."""
+        steps once every request has sampled a stop token, in this plan or one before (a plan already in flight
+        when it stopped): the scheduler drops what the rest would sample. The first step always runs: it computes
+        the K/V of the token sampled last, which the scheduler may have registered for prefix reuse."""
         rows = self.execute(requests)
-        stopped = {row.request.request_id for row in rows if row.request.sampling.stops(row.token_id)}
         for _ in range(num_steps - 1):
-            if len(stopped) == len(requests):
+            if all(r.sampling.stopped for r in requests):
                 break
             for r in requests:
                 r.num_scheduled_tokens = 1
-            step = self.execute(requests)
-            stopped.update(row.request.request_id for row in step if row.request.sampling.stops(row.token_id))
-            rows += step
+            rows += self.execute(requests)
         return rows
 
     def profile_run(self, num_tokens: int, num_seqs: int) -> None:

@@ -291,3 +291,24 @@ def test_logprob_rows_do_not_change_the_caller_logits():
     before = logits.clone()
     Sampler(30, CPU)(logits, [request(logprobs=2, frequency_penalty=1.0, outputs=[3]), request(temperature=1.0)])
     assert logits.equal(before)
+
+
+@pytest.mark.parametrize(
+    ("fields", "eos", "outputs", "stopped_after"),
+    [
+        (dict(stop_token_ids=[7]), (2,), [5, 7, 9], 2),  # a stop token id
+        (dict(), (2,), [5, 2], 2),  # EOS
+        (dict(ignore_eos=True), (2,), [5, 2, 2], None),  # EOS ignored
+        (dict(min_tokens=3), (2,), [2, 5, 2], 3),  # EOS before min_tokens is no stop (it is banned then)
+        (dict(stop_token_ids=[7], max_tokens=2), (), [5, 5], None),  # the length is the scheduler's to end
+    ],
+)
+def test_a_request_has_stopped_at_the_token_the_scheduler_ends_it_at(fields, eos, outputs, stopped_after):
+    """The worker's record of a stop (plans of several steps end once every request has one) follows the
+    scheduler's stop check: a stop token id, or EOS unless ignore_eos, once min_tokens are out."""
+    state = RequestSampling.create(params(**fields), [1, 1], [], eos_token_ids=eos)
+    seen = []
+    for token in outputs:
+        state.append(token)
+        seen.append(state.stopped)
+    assert seen == [stopped_after is not None and i + 1 >= stopped_after for i in range(len(outputs))]

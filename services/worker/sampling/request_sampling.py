@@ -53,8 +53,9 @@ class RequestSampling:
     min_tokens: int = 0
     min_tokens_banned: list[int] = field(default_factory=list)
     # The tokens that end the request once min_tokens are out (the scheduler's stop rule; stop strings are the
-    # frontend's): a plan of several steps ends early when each of its requests has sampled one.
+    # frontend's), and whether it has sampled one: a plan of several steps ends once each of its requests has.
     stop_token_ids: frozenset[int] = frozenset()
+    stopped: bool = False
     # Penalty state, only for penalised requests. Until the sampler first sees the request
     # prompt_token_ids holds the prompt; pending_token_ids holds outputs not yet in output_counts.
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -125,13 +126,11 @@ class RequestSampling:
         """Argmax of the raw logits is this request's whole sampling step."""
         return self.argmax_only and self.num_output_tokens >= self.min_tokens
 
-    def stops(self, token_id: int) -> bool:
-        """Whether ``token_id``, just appended, ends the request (as the scheduler's stop check finds)."""
-        return token_id in self.stop_token_ids and self.num_output_tokens >= self.min_tokens
-
     def append(self, token_id: int) -> None:
         """Record a token sampled for this request (the worker calls this once per sampled token)."""
         self.num_output_tokens += 1
+        if token_id in self.stop_token_ids and self.num_output_tokens >= self.min_tokens:
+            self.stopped = True  # the scheduler ends the request at this token (its stop check)
         if self.constraint is not None:
             self.constraint.advance(token_id)
         if self.penalised:
