@@ -83,11 +83,11 @@ def test_a_stop_inside_a_plan_drops_the_tokens_after_it_and_frees_the_blocks():
     assert d.scheduler.kv.pool.num_used_blocks == 0 and d.scheduler.schedule().finished_ids == ["a"]
 
 
-def _ended_early(steps: int, cut: int) -> tuple[Driver, list]:
+def _ended_early(cut: int) -> tuple[Driver, list]:
     """One request (prompt [5, 6, 7], blocks of 2) whose 3rd output token is EOS, in a plan of 4 steps the worker
     answers with only its first ``cut`` tokens; returns the driver and the plan's results."""
     eos = next_token([5, 6, 7, *generate([5, 6, 7], 2, 1000)], 1000)
-    d = Driver(make_scheduler(64, 2, num_scheduler_steps=steps, eos=(eos,)))
+    d = Driver(make_scheduler(64, 2, num_scheduler_steps=4, eos=(eos,)))
     d.scheduler.add_request(make_request("a", [5, 6, 7], max_tokens=50))
     d.step()
     out = d.scheduler.schedule()
@@ -97,7 +97,7 @@ def _ended_early(steps: int, cut: int) -> tuple[Driver, list]:
 
 
 def test_a_plan_the_worker_ends_at_its_request_s_stop_gives_the_same_tokens_and_caches_only_computed_blocks():
-    d, results = _ended_early(4, 2)  # steps 1 and 2 ran: the 2nd sampled the EOS
+    d, results = _ended_early(2)  # steps 1 and 2 ran: the 2nd sampled the EOS
     assert [r.token_id for r in results] == generate([5, 6, 7], 3, 1000)[1:]
     assert results[-1].finish is RequestStatus.FINISHED_STOPPED
     assert d.scheduler.kv.pool.num_used_blocks == 0
@@ -108,7 +108,7 @@ def test_a_plan_the_worker_ends_at_its_request_s_stop_gives_the_same_tokens_and_
 
 def test_a_plan_cut_short_without_a_stop_is_a_protocol_error():
     with pytest.raises(WorkerProtocolError, match="did not stop"):
-        _ended_early(4, 1)  # 1 of 4 tokens, and it is no stop
+        _ended_early(1)  # 1 of 4 tokens, and it is no stop
 
 
 def test_a_pool_without_room_for_the_plan_s_tokens_plans_one_step_without_preempting():
