@@ -24,7 +24,7 @@ from services.worker.core import build_core
 from services.worker.server import start_worker
 from tests.scheduler.harness import submit_request
 from tests.scheduler.test_connect import Frontend
-from tests.worker.tiny import save_tiny_model, save_tiny_tokenizer
+from tests.worker.tiny import request, save_tiny_model, save_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -125,5 +125,21 @@ def test_a_plan_whose_requests_all_stopped_ends_early_with_the_tokens_of_one_ste
     multi_step = asyncio.run(_run(model_dir, core, True, [stopped], steps=8))
     assert one_step[0]["stopped"] == multi_step[0]["stopped"] == tokens[: first + 1]
     assert one_step[1] == multi_step[1]
-    # The plan that sampled the stop ended there; the one planned meanwhile ran one step (the stop token's K/V).
-    assert plans == [(8, first), (8, 1)], plans
+    # The plan that sampled the stop ended there; one planned meanwhile (if the scheduler planned it before the
+    # stop came back: timing) ran one step, for the stop token's K/V.
+    assert plans[0] == (8, first) and all(rows == 1 for _, rows in plans[1:]), plans
+
+
+def test_a_plan_of_requests_that_stopped_before_it_runs_one_step_and_one_still_running_runs_all(tmp_path):
+    """The worker's side of a plan already in flight when its requests stopped (deterministic, without the
+    scheduler's timing): it computes the K/V of their last token and ends; a running request keeps it going."""
+    model_dir = str(tmp_path / "tiny")
+    save_tiny_model(model_dir, "llama", seed=1)
+    save_tiny_tokenizer(model_dir)
+    core = build_core(_config(model_dir, True))
+    done, running = request("done", [3, 4, 5], [0, 1], 2, 1), request("running", [6, 7, 8], [2, 3], 2, 1)
+    done.sampling.stopped = True
+    assert len(core.runner.execute_steps([done], 8)) == 1 and done.num_computed_tokens == 3
+    done.num_scheduled_tokens = 1  # as the next plan sets it
+    rows = core.runner.execute_steps([done, running], 4)
+    assert len(rows) == 8 and (done.num_computed_tokens, running.num_computed_tokens) == (7, 6)
