@@ -366,7 +366,7 @@ class Scheduler:
                 if request.status is not running or requests.get(request_id) is not request:
                     continue  # its tokens (if any) are discarded
                 got, k = len(samples) if samples else 0, getattr(plan, "num_lookahead_tokens", 0)
-                if not (1 <= got <= 1 + k if k else 1 <= got <= num_steps):
+                if not 1 <= got <= (1 + k if k else num_steps):
                     raise WorkerProtocolError(
                         f"step {out.step_id}: {got} tokens sampled for {request_id!r}, planned {num_steps}"
                     )

@@ -49,12 +49,11 @@ class RequestSampling:
     num_output_tokens: int
     # Seed for the sampler-wide generator that unseeded requests share (the worker's --seed).
     default_seed: int | None = None
-    # Stop tokens (stop_token_ids, plus EOS unless ignore_eos) banned while num_output_tokens < min_tokens.
-    min_tokens: int = 0
-    min_tokens_banned: list[int] = field(default_factory=list)
-    # The tokens that end the request once min_tokens are out (the scheduler's stop rule; stop strings are the
-    # frontend's), and whether it has sampled one: a plan of several steps ends once each of its requests has.
+    # The tokens that end the request (stop_token_ids, plus EOS unless ignore_eos: the scheduler's stop rule;
+    # stop strings are the frontend's), banned while num_output_tokens < min_tokens; and whether it has sampled
+    # one since: a plan of several steps ends once each of its requests has.
     stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
     stopped: bool = False
     # Penalty state, only for penalised requests. Until the sampler first sees the request
     # prompt_token_ids holds the prompt; pending_token_ids holds outputs not yet in output_counts.
@@ -106,11 +105,9 @@ class RequestSampling:
             default_seed=default_seed,
             constraint=constraint,
         )
-        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-        state.stop_token_ids = frozenset(banned)
-        if params.min_tokens > 0 and banned:
+        state.stop_token_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
+        if params.min_tokens > 0 and state.stop_token_ids:
             state.min_tokens = params.min_tokens
-            state.min_tokens_banned = sorted(banned)
         if state.penalised:
             state.prompt_token_ids = list(prompt_token_ids)
             state.pending_token_ids = list(output_token_ids)

@@ -116,7 +116,7 @@ class Sampler:
         if logprob_rows:
             raw_logprobs = torch.log_softmax(logits[self._index(logprob_rows)], dim=-1)
         if banning_rows:
-            self._ban_stop_tokens(logits, [(i, requests[i].min_tokens_banned) for i in banning_rows])
+            self._ban_stop_tokens(logits, [(i, requests[i].stop_token_ids) for i in banning_rows])
         if penalised_rows:
             index = self._index(penalised_rows)
             penalised = [requests[i] for i in penalised_rows]
@@ -198,7 +198,7 @@ class Sampler:
             uniform[row].uniform_(generator=self._positional)
         return uniform.log_().neg_()
 
-    def _ban_stop_tokens(self, logits: torch.Tensor, banned: list[tuple[int, list[int]]]) -> None:
+    def _ban_stop_tokens(self, logits: torch.Tensor, banned: list[tuple[int, frozenset[int]]]) -> None:
         """Set logits[row, token] = -inf for each row's banned tokens (ids past the vocabulary ignored)."""
         pairs = [(row, t) for row, tokens in banned for t in tokens if 0 <= t < self.vocab_size]
         if pairs:
