@@ -31,11 +31,14 @@ async def generate(
     *,
     parent_context=None,
     tracked: RequestMetrics | None = None,
+    final_only: bool = False,
 ) -> AsyncIterator[generate_pb2.GenerateResponse]:
     """Yield the public deltas of one request from the front door.
 
     The last response has finish_reason and usage set. Closing the iterator early or
     cancelling the consuming task aborts the request upstream. Raises KvgridError subclasses.
+    ``final_only``: for a caller that answers once, at the end (a completion that is not streamed): the deltas
+    are processed as they arrive (text, stop strings, token metrics) but come out merged into one response.
     """
     request_id, prompt_ids = request.request_id, request.prompt_ids
     output = OutputProcessor(tokenizer, request_id, prompt_ids, request.sampling)
@@ -55,9 +58,12 @@ async def generate(
         out = output.process(delta)
         if output.stopped_by_string:
             handle.close()  # in order on the stream: a request reusing the id at once is not hit by it
+        if final_only and out is not None and tracked is not None:
+            tracked.output(len(out.token_ids))  # as the tokens arrive: time to first token and between tokens
         return out
 
     handle.transform = process
+    handle.final_only = final_only
     if tracked is not None:
         tracked.begin(request_id, len(prompt_ids), trace_id_hex(span))
     try:
@@ -69,7 +75,7 @@ async def generate(
                 out = merge([out, *more])
             if out is None:
                 continue
-            if tracked is not None:
+            if tracked is not None and not final_only:
                 tracked.output(len(out.token_ids))
             # Decided by what was sent: the client's pass may already have processed later deltas.
             finished = bool(out.finish_reason)

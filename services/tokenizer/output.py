@@ -126,13 +126,17 @@ def merge(responses: list[generate_pb2.GenerateResponse | None]) -> generate_pb2
     present = [r for r in responses if r is not None]
     if len(present) <= 1:
         return present[0] if present else None
-    out = present[0]
-    for more in present[1:]:
-        out.text += more.text
-        out.token_ids.extend(more.token_ids)
-        out.logprobs.extend(more.logprobs)
-        out.prompt_logprobs.extend(more.prompt_logprobs)
-        if more.finish_reason:
-            out.finish_reason = more.finish_reason
-            out.usage.CopyFrom(more.usage)
+    out, rest = present[0], present[1:]
+    # Each field written once: a whole request's deltas (a completion that is not streamed) are many.
+    out.text = "".join([out.text, *(more.text for more in rest)])
+    out.token_ids.extend([token for more in rest for token in more.token_ids])
+    for more in rest:
+        if more.logprobs:
+            out.logprobs.extend(more.logprobs)
+        if more.prompt_logprobs:
+            out.prompt_logprobs.extend(more.prompt_logprobs)
+    ended = [more for more in rest if more.finish_reason]
+    if ended:
+        out.finish_reason = ended[-1].finish_reason
+        out.usage.CopyFrom(ended[-1].usage)
     return out

@@ -19,7 +19,11 @@ class RequestHandle:
     """Yields the request's scheduler deltas (``token_ids``, ``finish_reason``, ``logprobs``,
     ``num_prompt_tokens``, ``num_cached_tokens``), the last with ``finish_reason`` set; or, when ``transform`` is
     set, whatever it returns for each delta (it runs in the client's one pass over a step's batch). Raises the
-    request's KvgridError."""
+    request's KvgridError.
+
+    ``final_only``: the reader is woken by the last delta (one whose transformed value has a ``finish_reason``),
+    the end or an error, not by every delta; what came before waits in the queue for ``ready``. A caller that
+    answers once (a completion that is not streamed) then costs no task wake-up per step."""
 
     def __init__(self, client: SchedulerClient, request_id: str):
         self.request_id = request_id
@@ -28,6 +32,7 @@ class RequestHandle:
         self._waiter: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # looked up once: on 3.11 each lookup is a getpid()
         self.transform: Callable[[Any], Any] | None = None
+        self.final_only = False
         # True once the scheduler no longer holds the request (it finished it, failed it, or we aborted it).
         self.done_upstream = False
 
@@ -39,6 +44,9 @@ class RequestHandle:
                 self.close()
                 self._put(e)
                 return
+        if self.final_only and not getattr(delta, "finish_reason", None):
+            self._items.append(delta)  # read with the last one
+            return
         self._put(delta)
 
     def fail(self, error: KvgridError) -> None:

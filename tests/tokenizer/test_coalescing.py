@@ -16,6 +16,7 @@ from services.tokenizer.metrics import TokenizerMetrics
 from services.tokenizer.openai.choices import Pipeline, run_choices
 from services.tokenizer.openai.prepare import Choice
 from services.tokenizer.request_handle import RequestHandle
+from services.tokenizer.request_metrics import RequestMetrics
 from services.tokenizer.text_tokenizer import TextTokenizer
 from services.tokenizer.upstream import LINK_OPTIONS
 from services.tokenizer.validation import ModelLimits
@@ -142,6 +143,95 @@ def test_openai_choices_merge_what_queued_per_choice_in_order(tok, smollm):
     assert out[0][0] == 0 and list(out[0][1].token_ids) == ids[:1]
     assert {index: list(d.token_ids) for index, d in out[1:3]} == {0: ids[1:], 1: ids[1:]}
     assert [d.finish_reason for _, d in out[3:]] == ["length", "length"]
+
+
+def test_an_answer_sent_once_wakes_its_call_once_and_times_each_token_as_it_came(tok, smollm):
+    ids = ids_of(smollm, "The quick brown fox jumps")
+    metrics = TokenizerMetrics("final-only")
+
+    async def scenario():
+        engine = FakeEngine()
+        sampling = common_pb2.SamplingParams(max_tokens=len(ids))
+        with RequestMetrics(metrics, "r3") as tracked:
+            request = EngineRequest("r3", [1, 2, 3], sampling, len(ids))
+            stream = generate(engine, tok, request, tracked=tracked, final_only=True)
+            first = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0)
+            woken = []
+            for t in ids[:-1]:
+                engine.feed("r3", [t])
+                for _ in range(3):  # loop turns enough for a woken call to take its delta
+                    await asyncio.sleep(0)
+                woken.append(first.done())
+            engine.feed("r3", [ids[-1]], finish=common_pb2.FINISH_REASON_LENGTH)
+            out = await first
+            with pytest.raises(StopAsyncIteration):
+                await anext(stream)
+            tracked.finish(out.finish_reason)
+        return woken, out
+
+    woken, out = asyncio.run(scenario())
+    assert not any(woken)  # no wake-up per step for a call that answers at the end
+    assert list(out.token_ids) == ids and out.text == tok.decode(ids) and out.finish_reason == "length"
+    assert out.usage.completion_tokens == len(ids)
+    labels = {"model": "final-only"}
+    # Each delta timed as it was processed, as for a streamed call: one first token, a gap per later delta.
+    assert metrics.registry.get_sample_value("kvgrid_time_to_first_token_seconds_count", labels) == 1
+    assert metrics.registry.get_sample_value("kvgrid_inter_token_latency_seconds_count", labels) == len(ids) - 1
+
+
+def test_a_stop_string_ends_an_answer_sent_once(tok, smollm):
+    ids = ids_of(smollm, "one two END three four")
+
+    async def scenario():
+        engine = FakeEngine()
+        sampling = common_pb2.SamplingParams(max_tokens=32, stop=["END"])
+        stream = generate(engine, tok, EngineRequest("r4", [1], sampling, 32), final_only=True)
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)
+        for t in ids:  # the scheduler sends no finish: the stop string's abort removed the request there
+            engine.feed("r4", [t])
+        return await asyncio.wait_for(first, 5), engine.aborted
+
+    out, aborted = asyncio.run(scenario())
+    assert out.text == "one two " and out.finish_reason == "stop" and aborted == ["r4"]
+
+
+def test_choices_answered_once_come_out_whole_and_siblings_still_start_early(tok, smollm):
+    ids = ids_of(smollm, "alpha beta gamma delta")
+    sampling = common_pb2.SamplingParams(max_tokens=16)
+
+    async def scenario(leaders: list[bool]):
+        engine = FakeEngine()
+        choices = [Choice(i, 0, EngineRequest(f"c-{i}", [1, 2], sampling, 16), leader=lead)
+                   for i, lead in enumerate(leaders)]  # fmt: skip
+        deltas = run_choices(Pipeline(engine, tok, TokenizerMetrics("test-model")), choices, final_only=True)
+        collected = asyncio.ensure_future(_all(deltas))
+        while "c-0" not in engine.handles:
+            await asyncio.sleep(0)
+        engine.feed("c-0", [ids[0]])
+        for _ in range(5):
+            await asyncio.sleep(0)
+        started = sorted(engine.handles)  # a sibling waits for its leader's first output, not for its end
+        for name in started:
+            for t in ids[1:] if name == "c-0" else ids:
+                engine.feed(name, [t])
+            engine.feed(name, [], finish=common_pb2.FINISH_REASON_LENGTH)
+        return started, await collected
+
+    started, out = asyncio.run(scenario([True, True]))
+    assert started == ["c-0", "c-1"]
+    assert sorted((index, list(d.token_ids), d.finish_reason) for index, d in out) == [
+        (0, ids, "length"), (1, ids, "length")
+    ]  # fmt: skip
+    started, out = asyncio.run(scenario([True, False]))  # as streamed, then: the leader's first token alone
+    assert started == ["c-0", "c-1"]
+    assert [(index, list(d.token_ids)) for index, d in out if index == 0][0] == (0, ids[:1])
+    assert {index: sum((list(d.token_ids) for i, d in out if i == index), []) for index, _ in out} == {0: ids, 1: ids}
+
+
+async def _all(deltas) -> list:
+    return [item async for item in deltas]
 
 
 async def _run_ahead_kb(options: list, num_read: int = 3000, message_bytes: int = 1000) -> int:

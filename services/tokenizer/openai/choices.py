@@ -34,19 +34,22 @@ class Pipeline:
 
 
 async def run_choices(
-    pipe: Pipeline, choices: list[Choice]
+    pipe: Pipeline, choices: list[Choice], final_only: bool = False
 ) -> AsyncIterator[tuple[int, generate_pb2.GenerateResponse]]:
     """(choice index, delta) as each arrives; raises the first KvgridError any choice raises.
 
     Deltas that queued up while the consumer was busy (a client reading slower than tokens arrive) come
     out merged, one per choice, so a slow SSE stream sends fewer, larger chunks; a lone delta is never held.
+    ``final_only`` (an answer sent once, at the end): each choice comes out as one delta, at its end, unless
+    siblings wait for its first output (``generation.generate``'s ``final_only``).
     """
     queue: asyncio.Queue = asyncio.Queue()
     cached: dict[int, asyncio.Event] = {}  # prompt index -> set once its leader produced output
+    final_only = final_only and all(choice.leader for choice in choices)
     tasks = []
     for choice in choices:
         event = cached.setdefault(choice.prompt_index, asyncio.Event())
-        tasks.append(asyncio.create_task(_run_one(pipe, choice, event, queue)))
+        tasks.append(asyncio.create_task(_run_one(pipe, choice, event, queue, final_only)))
     remaining = len(tasks)
     try:
         while remaining:
@@ -73,13 +76,20 @@ async def run_choices(
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _run_one(pipe: Pipeline, choice: Choice, prompt_cached: asyncio.Event, queue: asyncio.Queue) -> None:
+async def _run_one(
+    pipe: Pipeline, choice: Choice, prompt_cached: asyncio.Event, queue: asyncio.Queue, final_only: bool
+) -> None:
     try:
         if not choice.leader:
             await prompt_cached.wait()
         with RequestMetrics(pipe.metrics, choice.request.request_id) as tracked:
             stream = generate(
-                pipe.engine, pipe.tokenizer, choice.request, parent_context=pipe.parent_context, tracked=tracked
+                pipe.engine,
+                pipe.tokenizer,
+                choice.request,
+                parent_context=pipe.parent_context,
+                tracked=tracked,
+                final_only=final_only,
             )
             async with contextlib.aclosing(stream):
                 async for out in stream:

@@ -70,7 +70,7 @@ class OpenAIServing:
     async def _answer(self, raw: Request, door: FrontDoor, prepared: PreparedOpenAI):
         pipe = Pipeline(self.engine, door.tokenizer, self.metrics, extract(raw.headers))
         renderer = prepared.renderer
-        deltas = self.state.counted(run_choices(pipe, prepared.choices))  # a drain waits for it
+        deltas = self.state.counted(run_choices(pipe, prepared.choices, not prepared.stream))  # a drain waits for it
         if not prepared.stream:
             async with contextlib.aclosing(deltas):
                 await until_disconnected(raw, _collect(renderer, deltas))

@@ -50,7 +50,7 @@ class ResponsesServing:
         response = base_response(req, f"resp_{request_id}", model, req.store and self.store.enabled)
         conversation = history + items
         pipe = Pipeline(self.serving.engine, door.tokenizer, self.serving.metrics, extract(raw.headers))
-        deltas = state.counted(run_choices(pipe, prepared.choices))  # a drain waits for it
+        deltas = state.counted(run_choices(pipe, prepared.choices, not req.stream))  # a drain waits for it
         renderer = prepared.renderer
         if not req.stream:
             async with contextlib.aclosing(deltas):
