@@ -2,18 +2,51 @@
 
 from __future__ import annotations
 
+import random
 import signal
 import socket
 import subprocess
 
+# Ports handed out are drawn from below the kernel's ephemeral range. A port from bind(0) comes from that range,
+# where every outgoing connection (a scheduler dialing its worker, a health check) takes its local port too: one of
+# them could take the port before the service it was chosen for binds it, which then fails to start ("Address
+# already in use") while the test waits for it.
+LOWEST_PORT = 10000
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+_EPHEMERAL_START = _ephemeral_start()
+_handed_out: set[int] = set()
+
 
 def free_ports(n: int) -> list[int]:
-    """n distinct local ports that were free a moment ago (bound together so none repeats)."""
-    socks = [socket.socket() for _ in range(n)]
+    """n distinct local ports that were free a moment ago, outside the ephemeral range and never handed out before
+    in this process (bound together so none repeats)."""
+    socks: list[socket.socket] = []
     try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
+        while len(socks) < n:
+            sock = socket.socket()
+            socks.append(sock)
+            if _EPHEMERAL_START - LOWEST_PORT < 1000:  # a range set to start low: take what the kernel gives
+                sock.bind(("127.0.0.1", 0))
+                continue
+            port = random.randrange(LOWEST_PORT, _EPHEMERAL_START)
+            try:
+                if port in _handed_out:
+                    raise OSError
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                socks.pop().close()
+        ports = [sock.getsockname()[1] for sock in socks]
+        _handed_out.update(ports)
+        return ports
     finally:
         for sock in socks:
             sock.close()
