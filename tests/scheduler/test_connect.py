@@ -152,12 +152,15 @@ def test_errors_come_back_per_request_with_their_code_and_the_stream_lives_on():
         worker_kw = {"num_blocks": 32, "block_size": 4, "vocab_size": 100, "step_delay": 0.05}
         async with stack(worker_kw=worker_kw) as s:
             f, other = Frontend(s.stub), Frontend(s.stub)
-            await f.send([submit_request("bad", [5, 500]), submit_request("ok", [5, 6], max_tokens=4)])
+            await f.send([submit_request("bad", [5, 500]), submit_request("ok", [5, 6], max_tokens=8)])
+            # Written is not read: the scheduler may take the two streams' messages in either order. Once "bad"
+            # has its error, the message that also submits "ok" was taken, and "ok" runs for 8 steps of 50 ms.
+            await f.wait(lambda: "bad" in f.errors)
             await other.send([submit_request("ok", [5, 6], max_tokens=2)])  # the id is live (on another stream)
             await other.wait(lambda: other.ended(["ok"]))
             await f.wait(lambda: f.ended(["bad", "ok"]))
             assert f.errors["bad"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-            assert f.finish["ok"] == LENGTH and f.tokens["ok"] == generate([5, 6], 4, 100) and "ok" not in f.errors
+            assert f.finish["ok"] == LENGTH and f.tokens["ok"] == generate([5, 6], 8, 100) and "ok" not in f.errors
             assert other.errors == {"ok": grpc.StatusCode.ALREADY_EXISTS.value[0]} and not other.tokens["ok"]
             f.call.cancel()
             other.call.cancel()
