@@ -224,11 +224,24 @@ def test_serve_hands_the_worker_its_arrangement(monkeypatch, capsys):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setattr(serve.os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setattr(serve, "cpu_quota_cores", lambda: None)
     config = serve.child_config(parse([]))
     worker = serve.build_children(config)[0]
     serve.arrange_worker_threads(config, worker)
     assert worker.env == {"GOMP_SPINCOUNT": "300000"}
     assert "kvgrid serve: worker: 2 threads sharing 2 cores" in capsys.readouterr().out
+
+
+def test_serve_counts_no_more_cores_than_the_cgroup_s_cpu_quota(monkeypatch, capsys):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda _pid: set(range(64)))
+    monkeypatch.setattr(serve, "cpu_quota_cores", lambda: 4.5)  # a pod's limits.cpu: 4500m on a 64-core node
+    config = serve.child_config(parse([]))
+    worker = serve.build_children(config)[0]
+    serve.arrange_worker_threads(config, worker)
+    assert worker.env == {"GOMP_SPINCOUNT": "300000"}
+    assert "kvgrid serve: worker: 4 threads sharing 4 cores" in capsys.readouterr().out
 
 
 def fake_install(root) -> tuple[str, str]:

@@ -48,6 +48,7 @@ from services.tokenizer.multimodal.media import MediaPolicy
 from services.tokenizer.openai.tools.types import ToolRequest
 from services.tokenizer.text_tokenizer import TextTokenizer, read_tokenizer_dir
 from services.worker.core import build_core
+from services.worker.setup.threads import set_math_threads
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +97,7 @@ class LLM:
         return llm
 
     def _setup(self, config: Config) -> None:
-        if config.device.num_threads > 0:
-            import torch
-
-            torch.set_num_threads(config.device.num_threads)
+        set_math_threads(config.device.num_threads)
         core = build_core(config)
         files = read_tokenizer_dir(config.model.tokenizer) if config.model.tokenizer else core.handshake.tokenizer_files
         self.tokenizer = TextTokenizer.from_files(dict(files))

@@ -94,7 +94,7 @@ class DeviceConfig:
         "CPU steps through native C kernels (auto: where a C compiler and AVX2 are present)",
         ("auto", "native", "torch"),
     )
-    num_threads: int = option(0, "CPU threads for the worker's math (0: all cores)")
+    num_threads: int = option(0, "CPU threads for the worker's math (0: all cores, at most a container's CPU quota)")
     enforce_eager: bool = option(False, "no CUDA graphs: run every decode step eagerly (CUDA)")
 
     def validate(self) -> list[str]:

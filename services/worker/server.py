@@ -25,6 +25,7 @@ from services.worker.parallel.ranks import exit_now
 from services.worker.servicer import WorkerServicer
 from services.worker.setup.loader import ModelLoadError
 from services.worker.setup.memory import InsufficientMemory
+from services.worker.setup.threads import set_math_threads
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +110,7 @@ log = logging.getLogger(__name__)
 def main(config: Config) -> int:
     setup_logging("worker", config.observability.log_level, config.observability.log_format)
     tracing.setup_tracing("kvgrid-worker")
-    if config.device.num_threads > 0:
-        import torch
-
-        torch.set_num_threads(config.device.num_threads)
+    set_math_threads(config.device.num_threads)
     try:
         return asyncio.run(_serve(config))
     except (ModelLoadError, InsufficientMemory) as exc:
