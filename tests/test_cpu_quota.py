@@ -59,6 +59,7 @@ def test_v1_reads_the_cpu_controller_s_hierarchy(tmp_path):
         ("0::/\n", {"cpu.max": "max 100000\n"}),  # v2, no limit
         ("0::/\n", {}),  # v2, no cpu controller enabled
         ("0::/\n", {"cpu.max": "garbage\n"}),
+        ("0::/\n", {"cpu.max": "100000 0\n"}),
         ("4:cpu,cpuacct:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}),
     ],
 )

@@ -32,7 +32,7 @@ def _ancestors(root: Path, path: str) -> list[Path]:
 def _v2_limit(directory: Path) -> float | None:
     try:
         quota, period = (directory / "cpu.max").read_text().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
+        return None if quota == "max" or int(period) <= 0 else int(quota) / int(period)
     except (OSError, ValueError):
         return None
 
