@@ -32,18 +32,17 @@ def free_ports(n: int) -> list[int]:
     socks: list[socket.socket] = []
     try:
         while len(socks) < n:
-            sock = socket.socket()
-            socks.append(sock)
-            if _EPHEMERAL_START - LOWEST_PORT < 1000:  # a range set to start low: take what the kernel gives
-                sock.bind(("127.0.0.1", 0))
+            # a range set to start low leaves no room below it: take what the kernel gives (port 0)
+            port = 0 if _EPHEMERAL_START - LOWEST_PORT < 1000 else random.randrange(LOWEST_PORT, _EPHEMERAL_START)
+            if port in _handed_out:
                 continue
-            port = random.randrange(LOWEST_PORT, _EPHEMERAL_START)
+            sock = socket.socket()
             try:
-                if port in _handed_out:
-                    raise OSError
                 sock.bind(("127.0.0.1", port))
             except OSError:
-                socks.pop().close()
+                sock.close()
+                continue
+            socks.append(sock)
         ports = [sock.getsockname()[1] for sock in socks]
         _handed_out.update(ports)
         return ports

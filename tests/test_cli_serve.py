@@ -17,6 +17,7 @@ from kvgrid.cli import serve, supervision
 from kvgrid.cli.probes import is_serving
 from kvgrid.cli.supervision import Child, RestartPolicy
 from services.common import config as cfg
+from services.common import cpu_quota
 from tests.procs import free_ports
 
 # A stand-in service: gRPC health SERVING on the given port until terminated.
@@ -224,7 +225,7 @@ def test_serve_hands_the_worker_its_arrangement(monkeypatch, capsys):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setattr(serve.os, "sched_getaffinity", lambda _pid: {0, 1})
-    monkeypatch.setattr(serve, "cpu_quota_cores", lambda: None)
+    monkeypatch.setattr(cpu_quota, "cpu_quota_cores", lambda: None)
     config = serve.child_config(parse([]))
     worker = serve.build_children(config)[0]
     serve.arrange_worker_threads(config, worker)
@@ -236,7 +237,7 @@ def test_serve_counts_no_more_cores_than_the_cgroup_s_cpu_quota(monkeypatch, cap
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.setattr(serve.os, "sched_getaffinity", lambda _pid: set(range(64)))
-    monkeypatch.setattr(serve, "cpu_quota_cores", lambda: 4.5)  # a pod's limits.cpu: 4500m on a 64-core node
+    monkeypatch.setattr(cpu_quota, "cpu_quota_cores", lambda: 4.5)  # a pod's limits.cpu: 4500m on a 64-core node
     config = serve.child_config(parse([]))
     worker = serve.build_children(config)[0]
     serve.arrange_worker_threads(config, worker)

@@ -52,7 +52,7 @@ from kvgrid.cli.supervision import (
     stop_all,
 )
 from services.common import config as cfg
-from services.common.cpu_quota import cpu_quota_cores, default_threads
+from services.common.cpu_quota import usable_cores
 from services.common.metrics import MULTIPROC_DIR
 
 # Order of start-up and of the summary; shutdown runs in reverse (frontend first).
@@ -225,9 +225,7 @@ def share_frontend_metrics(children: list[Child], environ: Mapping[str, str] = o
 def arrange_worker_threads(config: cfg.Config, worker: Child) -> None:
     """The worker's OpenMP arrangement for this machine (see kvgrid.cli.serve), logged: the cores counted are those
     this process may run on, no more than whole cores of its cgroup's CPU quota."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    cores = default_threads(cores, cpu_quota_cores())
-    env, line = worker_arrangement(config.device.num_threads, cores, os.environ)
+    env, line = worker_arrangement(config.device.num_threads, usable_cores(), os.environ)
     worker.env = {**(worker.env or {}), **env}
     say(line)
 

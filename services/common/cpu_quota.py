@@ -4,7 +4,8 @@ torch and OpenMP size their thread teams by the cores a process may run on, not 
 pod limited to 4 CPUs on a 64-core node starts a team of 32 or 64 threads, which spend most of each 100 ms
 period throttled, and every parallel region waits at its barrier for whichever thread is throttled. So where
 ``--num-threads`` is 0 the worker takes no more threads than whole cores of quota (``default_threads``; the
-worker's ``setup.threads`` sets them), and ``kvgrid serve`` counts the cores it arranges by the same limit.
+worker's ``setup.threads`` sets them), and ``kvgrid serve`` counts the cores it arranges by the same limit
+(``usable_cores``, which also sizes the Redis tier's copy threads).
 
 The quota is the smallest on the way from the process's cgroup up to the hierarchy's root (a parent's limit
 holds for its children), read from cgroup v2's ``cpu.max`` or v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``.
@@ -15,6 +16,7 @@ that does not exist under the mount (no cgroup namespace) is walked up to the fi
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -71,3 +73,9 @@ def default_threads(team: int, quota: float | None) -> int:
     if quota is None:
         return team
     return max(1, min(team, math.floor(quota)))
+
+
+def usable_cores() -> int:
+    """The cores this process may run on, no more than whole cores of its cgroup's CPU quota."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return default_threads(cores, cpu_quota_cores())

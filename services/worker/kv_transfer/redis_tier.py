@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from services.common.cpu_quota import usable_cores
 from services.worker.kv_cache import lazily_zeroed
 from services.worker.kv_transfer import layout, raw_resp
 from services.worker.kv_transfer.host import populate
@@ -69,8 +69,7 @@ class RedisTier:
         self._queue: queue.Queue = queue.Queue(MAX_QUEUED_BATCHES)
         self._writer = threading.Thread(target=self._write_loop, name="kv-redis-writer", daemon=True)
         self._writer.start()
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self._copiers = ThreadPoolExecutor(min(cores, MAX_COPY_THREADS), "kv-redis-copy")
+        self._copiers = ThreadPoolExecutor(min(usable_cores(), MAX_COPY_THREADS), "kv-redis-copy")
         self._fetcher = ThreadPoolExecutor(1, "kv-redis-fetch")  # one at a time: plans need them in order
         self.block_bytes = int(np.prod(block_shape)) * dtype.itemsize
         self._spare: np.ndarray | None = None  # the receive buffer of a load whose blocks were copied out
