@@ -24,6 +24,7 @@
 #if defined(HAVE_AMX)
 
 #define TILE_SLAB 8 /* groups of 32 columns whose weights stay in L2 while every block of 32 rows passes */
+#define TILE_AHEAD 8 /* chunks (2 KiB each) that the pass reading the weights from memory asks for ahead */
 
 int kvg_tile_available(void) { return amx_granted(); }
 
@@ -43,14 +44,24 @@ AMX_TARGET static void tile_put(const float *c, int rows, uint16_t *y, int64_t l
         }
 }
 
-/* Rows m .. m+15 (m+31 where two) of x against group g's chunks: the sums into c (rows of 32 floats). */
+/*
+ * Rows m .. m+15 (m+31 where two) of x against group g's chunks: the sums into c (rows of 32 floats). Where
+ * end is not NULL the weights come from memory: each chunk asks for the one TILE_AHEAD chunks on into L2,
+ * up to end (the thread's last weight). The tiles are all in use, so a chunk's loads wait for the products
+ * before them and memory sees one chunk's misses at a time; the hardware's prefetcher does not run far
+ * enough ahead to fill the gap. Measured on SmolLM2 in bfloat16 (2 threads, AMX Xeon): a 64-row decode step
+ * of the model runner 46 ms instead of 61, a standalone copy of this loop over its layers 20-25% faster.
+ */
 AMX_TARGET static void tile_block(const uint16_t *xm, int64_t ldx, const uint16_t *wg, int64_t chunks, int two,
-                                  float *c) {
+                                  float *c, const char *end) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t k = 0; k < chunks; k++) {
+        const char *ahead = (const char *)(wg + (k + TILE_AHEAD) * 1024);
+        if (end && ahead < end)
+            for (int line = 0; line < 2048; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);
         _tile_loadd(6, wg + k * 1024, 128);
         _tile_loadd(7, wg + k * 1024 + 32, 128);
         _tile_loadd(4, xm + k * 32, ldx * 2);
@@ -103,12 +114,14 @@ int kvg_tile_linear(const void *x, int64_t ldx, const void *w, const void *bias,
         float c[32 * 32] __attribute__((aligned(64)));
         const int t = omp_get_thread_num(), n = omp_get_num_threads();
         const int64_t g0 = groups * t / n, g1 = groups * (t + 1) / n;
+        const char *end = (const char *)((const uint16_t *)w + g1 * chunks * 1024);
         for (int64_t s0 = g0; s0 < g1; s0 += TILE_SLAB) {
             const int64_t s1 = s0 + TILE_SLAB < g1 ? s0 + TILE_SLAB : g1;
             for (int m = 0; m < rows16; m += 32) {
                 const int two = rows16 - m >= 32, span = two ? 32 : 16, rows = M - m < span ? M - m : span;
                 for (int64_t g = s0; g < s1; g++) {
-                    tile_block(xs + m * ldx, ldx, (const uint16_t *)w + g * chunks * 1024, chunks, two, c);
+                    tile_block(xs + m * ldx, ldx, (const uint16_t *)w + g * chunks * 1024, chunks, two, c,
+                               m == 0 ? end : NULL);
                     tile_put(c, rows, (uint16_t *)y + m * ldy + g * 32, ldy,
                              bias ? (const uint16_t *)bias + g * 32 : NULL, accumulate);
                 }
