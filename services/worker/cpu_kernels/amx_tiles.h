@@ -46,5 +46,10 @@ AMX_TARGET static inline void amx_configure(void) {
 }
 
 AMX_TARGET static inline void amx_release(void) { _tile_release(); }
+
+/* GCC's tile loads (amxtileintrin.h: an asm with the address as a plain operand) do not say that they read
+   memory, so stores the compiler sees no other reader of may move past them or be dropped: a tile loaded
+   from a buffer that plain stores just wrote needs this between the two. No instruction. */
+#define TILE_LOADS_SEE_STORES() __asm__ volatile("" : : : "memory")
 #endif
 #endif

@@ -256,6 +256,7 @@ AMX_TARGET static void task_amx(const uint16_t *q, int64_t ldq, const uint16_t *
     const __m512i pos = _mm512_loadu_si512(lane_pos);
     const int unmasked = first + r0;
 
+    TILE_LOADS_SEE_STORES(); /* qt */
     /* Pass 1: scores, 16 keys (of one block) a tile. */
     for (int t0 = 0; t0 < n; t0 += 16) {
         const int64_t slot = (int64_t)table[t0 / block_size] * block_size + t0 % block_size;
@@ -307,6 +308,7 @@ AMX_TARGET static void task_amx(const uint16_t *q, int64_t ldq, const uint16_t *
             for (int r = 0; r < ROWS; r++)
                 _mm256_storeu_si256((__m256i *)(pb + (int64_t)r * n32 + t0), (__m256i)_mm512_cvtneps_pbh(block[r]));
         }
+        TILE_LOADS_SEE_STORES(); /* vp, pb */
         /* Pass 2: 64 output elements (four C tiles) at a time, over 32 keys a step. */
         for (int d0 = 0; d0 < D; d0 += 64) {
             const int tiles = (D - d0) / 16 < 4 ? (D - d0) / 16 : 4;
