@@ -30,7 +30,8 @@ prompts of 16-512 tokens, outputs of 16-256), 32/128 at 64 in flight and at 1:
 Ratios are kvgrid's over each peer, and over the best vLLM binding of each round.
 
 Every level runs ``--rounds`` times on every side, the sides taking turns in an order that rotates
-each round; medians, and medians of per-round ratios. kvgrid and vLLM are started once, sized for the
+each round, every other side paused (SIGSTOP to its process group) while one runs; medians, and
+medians of per-round ratios. kvgrid and vLLM are started once, sized for the
 highest level; llama-server is restarted per level. Nothing is downloaded: the llama.cpp binaries
 come from ``--llama-cpp-dir`` (or ``KVGRID_LLAMA_CPP``), built as benchmarks/README.md says. JSON
 (every round, the commands, the load average before and after) to
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import pathlib
@@ -53,7 +55,7 @@ from dataclasses import dataclass
 
 from benchmarks import peer_sides
 from benchmarks.results import save
-from benchmarks.serving_sides import add_arguments, measure, median_ratio, shapes
+from benchmarks.serving_sides import Shape, add_arguments, measure, median_ratio, shapes
 
 LLAMA = "llama-server"
 VLLM_BEST = "vllm (best binding)"  # per round, the faster of the vLLM sides
@@ -225,6 +227,15 @@ def servers(args: argparse.Namespace, m: Models, concurrency: int) -> dict[str, 
     return out
 
 
+def alone(sides: dict[str, peer_sides.Server], name: str, shape: Shape) -> tuple[int, float]:
+    """One round of one side with every other side paused (peer_sides: idle servers still take CPU)."""
+    for other, server in sides.items():
+        if other != name:
+            server.pause()
+    sides[name].resume()
+    return peer_sides.run_http(sides[name], shape)
+
+
 def summarize(per_level: dict[str, dict[str, list[float]]], concurrency: dict[str, int]) -> list[dict]:
     """One row per level: median tok/s per side, every round, and kvgrid's median per-round ratio over
     each other side (and over the faster vLLM side of each round, when there are vLLM sides)."""
@@ -280,8 +291,10 @@ def main(argv: list[str] | None = None) -> int:
                 for name, server in sides.items()
             }
             print(f"[{time.monotonic() - started:5.0f}s] {shape.name}: {len(shape.workload)} requests", flush=True)
-            runs = {name: (lambda s, srv=server: peer_sides.run_http(srv, s)) for name, server in sides.items()}
+            runs = {name: functools.partial(alone, sides, name) for name in sides}
             per_level[shape.name] = measure(runs, shape, args.rounds)
+            for server in sides.values():
+                server.resume()
             if LLAMA in sides:
                 sides[LLAMA].stop()
     load_after = os.getloadavg()

