@@ -575,6 +575,26 @@ INLINE void prefetch_span(const void *cache, const int32_t *table, int t, int t1
 }
 
 /*
+ * The next span's rows (n tokens, in elements) to ask for in L1 while a span is worked on: query
+ * head h of H asks for its share of the tokens, so that the requests come spread over the span's
+ * arithmetic (one burst for the whole span would stall the core until the fill buffers free up).
+ */
+typedef struct {
+    const char *k, *v;
+    const int64_t *rows;
+    int n;
+    int64_t bytes; /* in a row */
+} NextSpan;
+
+INLINE void prefetch_next_share(NextSpan next, int h, int H) {
+    for (int i = h * next.n / H; i < (h + 1) * next.n / H; i++)
+        for (int64_t b = 0; b < next.bytes; b += 64) {
+            _mm_prefetch(next.k + next.rows[i] * 2 + b, _MM_HINT_T0);
+            _mm_prefetch(next.v + next.rows[i] * 2 + b, _MM_HINT_T0);
+        }
+}
+
+/*
  * Per head h, the chunk's n scores (scores + h * CHUNK) become exp(score - max), the rest of the last
  * span 0; part[h * (D + 2)] gets the max and part[h * (D + 2) + 1] the sum of the exps.
  */
@@ -779,95 +799,153 @@ __attribute__((target(AVX512_TARGET))) static void attention_chunk_avx512(
 #undef CHUNK16
 }
 
-/*
- * bfloat16 caches on CPUs with AVX512-BF16, for D = 32 * NQ (head sizes 64 and 128): dot products
- * of bfloat16 pairs (VDPBF16PS: two exact products added into a float32 lane), on the cache's and
- * the query's own bits. The chunks above widen every bfloat16 to float32 before its multiply-add,
- * once per query head. On a cold cache this beats the AVX-512 chunk, though it stays short of a
- * plain read of the same rows in the same order. Keys: the query head's NQ vectors against SPAN
- * keys, then the same reduction as the AVX-512 chunk. Values: the chunk's probabilities are rounded
- * to bfloat16 (as torch's flash attention on CPU and vLLM's paged attention round them before the
- * product with V), and
- * two tokens go at once, their value rows interleaved element by element (vpunpck{l,h}wd) so that
- * a lane's pair is (v_t[d], v_t+1[d]) against (p_t, p_t+1). The interleave puts element
- * d = 8 * (i / 4) + i % 4 of a 32-element group in lane i of the low half (+ 4 in the high half);
- * the output is put back in order at the end. Products are exact in float32 and sums float32, as
- * above; what differs is the probabilities' rounding, the order of the sums and that VDPBF16PS
- * flushes subnormals (below 1e-38) to zero. Tried and slower: one pass over the values
- * for all G heads of a KV head, sharing each pair's loads and interleave.
- */
 BF16DOT_FN __m512bh load32bh(const uint16_t *p) { return (__m512bh)_mm512_loadu_si512((const void *)p); }
 
-BF16DOT_FN void attention_chunk_bf16dot(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                                        const int32_t *table, int t0, int t1, int H, int KV, const int NQ,
-                                        int block_size, float scale, float *scores, float *part) {
-    const int D = 32 * NQ, n = t1 - t0, G = H / KV;
-    const int64_t row = (int64_t)KV * D;
-    int64_t rows[CHUNK];
-    for (int t = t0; t < t1; t += SPAN) span_rows(table, t, t1, block_size, row, rows + (t - t0));
-    for (int a = 0; a < AHEAD; a++) prefetch_span(k_cache, table, t0 + a * SPAN, t1, block_size, row, 2, TO_L1);
-    for (int t = t0; t < t1; t += SPAN) {
-        const int span = t1 - t < SPAN ? t1 - t : SPAN;
-        const int64_t *r = rows + (t - t0);
-        prefetch_span(k_cache, table, t + AHEAD * SPAN, t1, block_size, row, 2, TO_L1);
-        prefetch_span(v_cache, table, t, t1, block_size, row, 2, TO_L2);  /* for the value pass */
-        for (int h = 0; h < H; h++) {
-            const int64_t head = (int64_t)(h / G) * D;
-            __m512 acc[SPAN];
-            for (int i = 0; i < SPAN; i++) acc[i] = _mm512_setzero_ps();
-            for (int c = 0; c < NQ; c++) {
-                const __m512bh qv = load32bh(q + (int64_t)h * D + 32 * c);
-                for (int i = 0; i < SPAN; i++) acc[i] = _mm512_dpbf16_ps(acc[i], qv, load32bh(k_cache + r[i] + head + 32 * c));
-            }
-            __m256 folded[SPAN];
-            for (int i = 0; i < SPAN; i++) folded[i] = fold16(acc[i]);
-            float sums[SPAN];
-            _mm256_storeu_ps(sums, hsum8x8(folded));
-            for (int i = 0; i < span; i++) scores[h * CHUNK + (t - t0) + i] = sums[i] * scale;
+#define QSPAN 16 /* keys whose dot products are reduced together: one vector of 16 scores */
+
+/* Lane i of the result is the sum of v[i]'s 16 lanes: pairs of vectors folded into one at each of four steps. */
+BF16DOT_FN __m512 hsum16x16(const __m512 v[16]) {
+    __m512 x[8], y[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: v[2i] and v[2i+1], two partial sums each */
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: v[4i] .. v[4i+3], one partial sum each */
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xee));
+    const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+    const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
+}
+
+/*
+ * One span (rows: QSPAN tokens, the padding's rows repeat a real one) for HEADS query heads of one KV
+ * head (q: their queries; k, v: the caches at that head). Keys: per head, QSPAN dot products reduced
+ * into one vector of scores. The heads' running max (top) and sum move on; the span's
+ * probabilities are rounded to bfloat16 pairs (p_t, p_t+1). Values: a pair's two rows interleaved
+ * element by element (vpunpck{l,h}wd) once for all the heads, into acc (2 * NQ vectors a head, lo
+ * and hi halves) after scaling it by the head's correction. The heads' chains are independent, so
+ * the core overlaps them. next: the next span's rows, each head asking for its share meanwhile.
+ */
+BF16DOT_FN void span_group(const int HEADS, const int NQ, const uint16_t *q, const uint16_t *k, const uint16_t *v,
+                           const int64_t *rows, __mmask16 valid, float scale, float *top, float *sum, float *acc,
+                           NextSpan next, int h0, int H) {
+    const int D = 32 * NQ;
+    __m512 scores[HEADS];
+    for (int e = 0; e < HEADS; e++) {
+        __m512 dots[QSPAN];
+        for (int i = 0; i < QSPAN; i++) dots[i] = _mm512_setzero_ps();
+        for (int j = 0; j < NQ; j++) {
+            const __m512bh qv = load32bh(q + e * D + 32 * j);
+            for (int i = 0; i < QSPAN; i++) dots[i] = _mm512_dpbf16_ps(dots[i], qv, load32bh(k + rows[i] + 32 * j));
+        }
+        prefetch_next_share(next, h0 + e, H);
+        scores[e] = _mm512_mul_ps(hsum16x16(dots), _mm512_set1_ps(scale));
+    }
+    __m512bh p[HEADS];
+    float correction[HEADS];
+    for (int e = 0; e < HEADS; e++) {
+        const float best = _mm512_mask_reduce_max_ps(valid, scores[e]), m = best > top[e] ? best : top[e];
+        const __m512 x = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(scores[e], _mm512_set1_ps(m))));
+        correction[e] = exp1(top[e] - m);
+        sum[e] = sum[e] * correction[e] + _mm512_reduce_add_ps(x);
+        top[e] = m;
+        p[e] = (__m512bh)_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(x));
+    }
+    __m512 lo[HEADS * NQ], hi[HEADS * NQ];
+    for (int e = 0; e < HEADS; e++) {
+        const __m512 c = _mm512_set1_ps(correction[e]);
+        for (int j = 0; j < NQ; j++) {
+            lo[e * NQ + j] = _mm512_mul_ps(c, _mm512_loadu_ps(acc + e * D + 32 * j));
+            hi[e * NQ + j] = _mm512_mul_ps(c, _mm512_loadu_ps(acc + e * D + 32 * j + 16));
         }
     }
-    for (int a = 0; a < AHEAD; a++) prefetch_span(v_cache, table, t0 + a * SPAN, t1, block_size, row, 2, TO_L1);
-    softmax_chunk(scores, n, H, D, part);  /* zero up to a whole span: an even count of tokens */
-    const int pairs = (n + SPAN - 1) / SPAN * SPAN / 2;
-    for (int h = 0; h < H; h++)  /* the probabilities are rounded 32 at a time: zeros up to 32 */
-        for (int t = 2 * pairs; t % 32; t++) scores[h * CHUNK + t] = 0.0f;
+    for (int i = 0; i < QSPAN / 2; i++) {
+        const uint16_t *a = v + rows[2 * i], *b = v + rows[2 * i + 1];
+        __m512bh w[HEADS];
+        for (int e = 0; e < HEADS; e++) w[e] = (__m512bh)_mm512_permutexvar_epi32(_mm512_set1_epi32(i), (__m512i)p[e]);
+        for (int j = 0; j < NQ; j++) {
+            const __m512i va = _mm512_loadu_si512((const void *)(a + 32 * j));
+            const __m512i vb = _mm512_loadu_si512((const void *)(b + 32 * j));
+            const __m512bh even = (__m512bh)_mm512_unpacklo_epi16(va, vb), odd = (__m512bh)_mm512_unpackhi_epi16(va, vb);
+            for (int e = 0; e < HEADS; e++) {
+                lo[e * NQ + j] = _mm512_dpbf16_ps(lo[e * NQ + j], w[e], even);
+                hi[e * NQ + j] = _mm512_dpbf16_ps(hi[e * NQ + j], w[e], odd);
+            }
+        }
+    }
+    for (int e = 0; e < HEADS; e++)
+        for (int j = 0; j < NQ; j++) {
+            _mm512_storeu_ps(acc + e * D + 32 * j, lo[e * NQ + j]);
+            _mm512_storeu_ps(acc + e * D + 32 * j + 16, hi[e * NQ + j]);
+        }
+}
+
+/*
+ * bfloat16 caches on CPUs with AVX512-BF16, for D = 32 * NQ (head sizes 64 and 128): one pass over
+ * the chunk, QSPAN tokens at a time, keys and values together (online softmax), so that reading
+ * the cache overlaps the arithmetic: the next span's rows are asked for in L1 before this span's
+ * products. Dot products of bfloat16 pairs (VDPBF16PS: two exact products added into a float32
+ * lane) on the cache's and the query's own bits. Keys: per query head, QSPAN dot products reduced
+ * into one vector of scores (hsum16x16). Per head a running max m and sum l; a span's
+ * probabilities exp(s - m) are rounded to bfloat16 (as torch's flash attention on CPU and vLLM's
+ * paged attention round them before the product with V), the sums kept in float32. Values: two
+ * tokens a product, their rows interleaved (span_group). The output is put back in element order
+ * at the end. What differs from a float32 reference is the probabilities' rounding, the order of
+ * the sums and that VDPBF16PS flushes subnormals (below 1e-38) to zero. scratch: H * (D + 2) floats.
+ */
+BF16DOT_FN void attention_chunk_bf16dot(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                        const int32_t *table, int t0, int t1, int H, int KV, const int NQ,
+                                        int block_size, float scale, float *scratch, float *part) {
+    const int D = 32 * NQ, G = H / KV, most = 8 / NQ; /* heads whose values go together: 16 accumulators */
+    const int64_t row = (int64_t)KV * D;
+    float *acc = scratch, *top = scratch + (int64_t)H * D, *sum = top + H;
+    for (int64_t i = 0; i < (int64_t)H * D; i++) acc[i] = 0.0f;
+    for (int h = 0; h < H; h++) top[h] = -INFINITY, sum[h] = 0.0f;
+    int64_t rows[QSPAN], next_rows[QSPAN];
+    for (int s = 0; s < QSPAN; s += SPAN) prefetch_span(k_cache, table, t0 + s, t1, block_size, row, 2, TO_L1);
+    for (int s = 0; s < QSPAN; s += SPAN) prefetch_span(v_cache, table, t0 + s, t1, block_size, row, 2, TO_L1);
+    for (int t = t0; t < t1; t += QSPAN) {
+        const int n = t1 - t < QSPAN ? t1 - t : QSPAN;
+        for (int s = 0; s < QSPAN; s += SPAN) span_rows(table, t + s < t1 ? t + s : t, t1, block_size, row, rows + s);
+        const int ahead = t1 - (t + QSPAN) < QSPAN ? t1 - (t + QSPAN) : QSPAN; /* the next span's tokens */
+        for (int s = 0; s < ahead; s += SPAN) span_rows(table, t + QSPAN + s, t1, block_size, row, next_rows + s);
+        const NextSpan next = {(const char *)k_cache, (const char *)v_cache, next_rows, ahead > 0 ? ahead : 0, row * 2};
+        const __mmask16 valid = (__mmask16)((1u << n) - 1);
+        for (int h0 = 0, heads; h0 < H; h0 += heads) {
+            const int kv = h0 / G, left = (kv + 1) * G - h0; /* heads of this KV head from h0 on */
+            heads = left < most ? left : most;
+            const uint16_t *qh = q + (int64_t)h0 * D, *k = k_cache + (int64_t)kv * D, *v = v_cache + (int64_t)kv * D;
+            float *a = acc + (int64_t)h0 * D;
+            switch (heads * 8 + NQ) {
+#define GROUP(HEADS, NQ_)                                                                                  \
+    case HEADS * 8 + NQ_:                                                                                  \
+        span_group(HEADS, NQ_, qh, k, v, rows, valid, scale, top + h0, sum + h0, a, next, h0, H); \
+        break;
+                GROUP(1, 2) GROUP(2, 2) GROUP(3, 2) GROUP(4, 2) GROUP(1, 4) GROUP(2, 4)
+#undef GROUP
+            }
+        }
+    }
     /* lane i of the low half holds element 8 * (i / 4) + i % 4, of the high half 4 more: where element j is */
     const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i order_hi = _mm512_add_epi32(order, _mm512_set1_epi32(8));
     for (int h = 0; h < H; h++) {
-        const int64_t head = (int64_t)(h / G) * D;
-        uint32_t weights[CHUNK / 2];  /* (p_t, p_t+1) as two bfloat16, rounded to nearest even */
-        const float *p = scores + h * CHUNK;
-        for (int i = 0; i < pairs; i += 16)
-            _mm512_storeu_si512((void *)(weights + i),
-                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 2 * i + 16), _mm512_loadu_ps(p + 2 * i)));
-        __m512 lo[4], hi[4];
-        for (int c = 0; c < NQ; c++) lo[c] = hi[c] = _mm512_setzero_ps();
-        for (int i = 0; i < pairs; i++) {
-            const __m512bh w = (__m512bh)_mm512_set1_epi32((int)weights[i]);
-            const uint16_t *a = v_cache + rows[2 * i] + head, *b = v_cache + rows[2 * i + 1] + head;
-            for (int c = 0; c < NQ; c++) {
-                const __m512i va = _mm512_loadu_si512((const void *)(a + 32 * c));
-                const __m512i vb = _mm512_loadu_si512((const void *)(b + 32 * c));
-                lo[c] = _mm512_dpbf16_ps(lo[c], w, (__m512bh)_mm512_unpacklo_epi16(va, vb));
-                hi[c] = _mm512_dpbf16_ps(hi[c], w, (__m512bh)_mm512_unpackhi_epi16(va, vb));
-            }
-        }
-        float *out = part + (int64_t)h * (D + 2) + 2;
-        for (int c = 0; c < NQ; c++) {
-            _mm512_storeu_ps(out + 32 * c, _mm512_permutex2var_ps(lo[c], order, hi[c]));
-            _mm512_storeu_ps(out + 32 * c + 16, _mm512_permutex2var_ps(lo[c], order_hi, hi[c]));
+        float *out = part + (int64_t)h * (D + 2);
+        out[0] = top[h], out[1] = sum[h];
+        for (int j = 0; j < NQ; j++) {
+            const __m512 lo = _mm512_loadu_ps(acc + (int64_t)h * D + 32 * j);
+            const __m512 hi = _mm512_loadu_ps(acc + (int64_t)h * D + 32 * j + 16);
+            _mm512_storeu_ps(out + 2 + 32 * j, _mm512_permutex2var_ps(lo, order, hi));
+            _mm512_storeu_ps(out + 2 + 32 * j + 16, _mm512_permutex2var_ps(lo, order_hi, hi));
         }
     }
 }
 
 __attribute__((target(BF16DOT_TARGET))) static void attention_chunk_bf16(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int t0, int t1, int H,
-    int KV, int D, int block_size, float scale, float *scores, float *part) {
+    int KV, int D, int block_size, float scale, float *scratch, float *part) {
     if (D == 64)
-        attention_chunk_bf16dot(q, k_cache, v_cache, table, t0, t1, H, KV, 2, block_size, scale, scores, part);
+        attention_chunk_bf16dot(q, k_cache, v_cache, table, t0, t1, H, KV, 2, block_size, scale, scratch, part);
     else
-        attention_chunk_bf16dot(q, k_cache, v_cache, table, t0, t1, H, KV, 4, block_size, scale, scores, part);
+        attention_chunk_bf16dot(q, k_cache, v_cache, table, t0, t1, H, KV, 4, block_size, scale, scratch, part);
 }
 
 enum { ATTENTION_AVX2 = 0, ATTENTION_AVX512 = 1, ATTENTION_AVX512_BF16 = 2 };
@@ -920,8 +998,12 @@ static AttentionSplit attention_split(const int32_t *seq_lens, int B, int window
     return (AttentionSplit){chunk, (max_len + chunk - 1) / chunk};
 }
 
+/* Floats of a thread's scratch: the query in float32 (H * D), then H * CHUNK scores or H * (D + 2) for the
+   bfloat16 chunk (D <= CHUNK). */
+static int64_t attention_scratch(int H, int D) { return (int64_t)H * D + (int64_t)H * (CHUNK + 2); }
+
 /* One task: a chunk of one sequence's tokens for all its heads, into its part (max, sum, D values per head).
-   qf: H * D + H * CHUNK floats of scratch. */
+   qf: attention_scratch(H, D) floats. */
 static void attention_task(int task, AttentionSplit split, const void *q, int64_t ldq, const void *k_cache,
                            const void *v_cache, const int32_t *block_tables, int64_t ldt, const int32_t *seq_lens,
                            int H, int KV, int D, int block_size, float scale, int dt, int window, float *parts,
@@ -978,7 +1060,7 @@ void kvg_decode_attention(const void *q, int64_t ldq, const void *k_cache, const
     float *parts = malloc(sizeof(float) * B * split.chunks * H * (D + 2));
 #pragma omp parallel num_threads(num_threads)
     {
-        float *qf = malloc(sizeof(float) * ((int64_t)H * D + (int64_t)H * CHUNK));
+        float *qf = malloc(sizeof(float) * attention_scratch(H, D));
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < B * split.chunks; task++)
             attention_task(task, split, q, ldq, k_cache, v_cache, block_tables, ldt, seq_lens, H, KV, D, block_size,
@@ -1111,7 +1193,7 @@ static void decode_layers_team(const StepModel *m, const StepBuffers *b, const i
 #pragma omp parallel num_threads(num_threads)
     {
         const int part = omp_get_thread_num(), parts_n = omp_get_num_threads();
-        float *qf = malloc(sizeof(float) * ((int64_t)H * D + (int64_t)H * CHUNK));
+        float *qf = malloc(sizeof(float) * attention_scratch(H, D));
         for (int i = 0; i < m->num_layers; i++) {
             const StepLayer *layer = m->layers + i, *next = i + 1 < m->num_layers ? layer + 1 : NULL;
             if (part == 0)
