@@ -839,7 +839,7 @@ BF16DOT_FN void span_group(const int HEADS, const int NQ, const uint16_t *q, con
         prefetch_next_share(next, h0 + e, H);
         scores[e] = _mm512_mul_ps(hsum16x16(dots), _mm512_set1_ps(scale));
     }
-    __m512bh p[HEADS];
+    uint32_t p[HEADS][QSPAN / 2];
     float correction[HEADS];
     for (int e = 0; e < HEADS; e++) {
         const float best = _mm512_mask_reduce_max_ps(valid, scores[e]), m = best > top[e] ? best : top[e];
@@ -847,7 +847,7 @@ BF16DOT_FN void span_group(const int HEADS, const int NQ, const uint16_t *q, con
         correction[e] = exp1(top[e] - m);
         sum[e] = sum[e] * correction[e] + _mm512_reduce_add_ps(x);
         top[e] = m;
-        p[e] = (__m512bh)_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(x));
+        _mm256_storeu_si256((__m256i *)p[e], (__m256i)_mm512_cvtneps_pbh(x));
     }
     __m512 lo[HEADS * NQ], hi[HEADS * NQ];
     for (int e = 0; e < HEADS; e++) {
@@ -860,7 +860,7 @@ BF16DOT_FN void span_group(const int HEADS, const int NQ, const uint16_t *q, con
     for (int i = 0; i < QSPAN / 2; i++) {
         const uint16_t *a = v + rows[2 * i], *b = v + rows[2 * i + 1];
         __m512bh w[HEADS];
-        for (int e = 0; e < HEADS; e++) w[e] = (__m512bh)_mm512_permutexvar_epi32(_mm512_set1_epi32(i), (__m512i)p[e]);
+        for (int e = 0; e < HEADS; e++) w[e] = (__m512bh)_mm512_set1_epi32((int)p[e][i]);
         for (int j = 0; j < NQ; j++) {
             const __m512i va = _mm512_loadu_si512((const void *)(a + 32 * j));
             const __m512i vb = _mm512_loadu_si512((const void *)(b + 32 * j));
