@@ -881,11 +881,11 @@ BF16DOT_FN void span_group(const int HEADS, const int NQ, const uint16_t *q, con
 /*
  * bfloat16 caches on CPUs with AVX512-BF16, for D = 32 * NQ (head sizes 64 and 128): one pass over
  * the chunk, QSPAN tokens at a time, keys and values together (online softmax), so that reading
- * the cache overlaps the arithmetic: the next span's rows are asked for in L1 before this span's
- * products. Dot products of bfloat16 pairs (VDPBF16PS: two exact products added into a float32
+ * the cache overlaps the arithmetic: the next span's rows are asked for in L1 while this span's
+ * products run. Dot products of bfloat16 pairs (VDPBF16PS: two exact products added into a float32
  * lane) on the cache's and the query's own bits. Keys: per query head, QSPAN dot products reduced
- * into one vector of scores (hsum16x16). Per head a running max m and sum l; a span's
- * probabilities exp(s - m) are rounded to bfloat16 (as torch's flash attention on CPU and vLLM's
+ * into one vector of scores (hsum16x16). Per head a running max m and sum l (the accumulators
+ * rescaled by exp(m_old - m) when the max moves); a span's probabilities exp(s - m) are rounded to bfloat16 (as torch's flash attention on CPU and vLLM's
  * paged attention round them before the product with V), the sums kept in float32. Values: two
  * tokens a product, their rows interleaved (span_group). The output is put back in element order
  * at the end. What differs from a float32 reference is the probabilities' rounding, the order of
