@@ -51,7 +51,7 @@ AMX_TARGET static void tile_put(const float *c, int rows, uint16_t *y, int64_t l
  * the first pass at least to TILE_AHEAD chunks past the chunk in use. So memory is read while the later passes
  * multiply the slab's weights from L2, not only during the first: the first pass then finds part of its slab
  * in L2. Asked for only in the first pass, at TILE_AHEAD chunks ahead, the weights of SmolLM2's 30 layers took
- * 22-25 ms at 64 rows where now 19-21 (2 threads, AMX Xeon; 128 rows 39-42 and 31-34); 16 rows or fewer make
+ * 22-25 ms at 64 rows where now 19-22 (2 threads, AMX Xeon; 128 rows 39-42 and 33-34); 16 rows or fewer make
  * one pass and ask for the same lines as before. Without any requests the hardware's prefetcher left memory
  * idle between tile loads: a 64-row decode step of the model runner took 61 ms instead of 46. The requests
  * are spread over the chunk's products rather than sent in one burst.

@@ -35,7 +35,8 @@ BF16DOT_FN __m512 hsum16x16(const __m512 v[16]) {
     for (int i = 0; i < 8; i++) /* per 128-bit lane: v[2i] and v[2i+1], two partial sums each */
         x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
     for (int i = 0; i < 4; i++) /* per 128-bit lane: v[4i] .. v[4i+3], one partial sum each */
-        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44), _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xee));
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xee));
     const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
     const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88), _mm512_shuffle_f32x4(y[2], y[3], 0xdd));
     return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
@@ -90,7 +91,8 @@ BF16DOT_FN void span_group(const int HEADS, const int NQ, const uint16_t *q, con
         for (int j = 0; j < NQ; j++) {
             const __m512i va = _mm512_loadu_si512((const void *)(a + 32 * j));
             const __m512i vb = _mm512_loadu_si512((const void *)(b + 32 * j));
-            const __m512bh even = (__m512bh)_mm512_unpacklo_epi16(va, vb), odd = (__m512bh)_mm512_unpackhi_epi16(va, vb);
+            const __m512bh even = (__m512bh)_mm512_unpacklo_epi16(va, vb);
+            const __m512bh odd = (__m512bh)_mm512_unpackhi_epi16(va, vb);
             for (int e = 0; e < HEADS; e++) {
                 lo[e * NQ + j] = _mm512_dpbf16_ps(lo[e * NQ + j], w[e], even);
                 hi[e * NQ + j] = _mm512_dpbf16_ps(hi[e * NQ + j], w[e], odd);
@@ -111,8 +113,9 @@ BF16DOT_FN void span_group(const int HEADS, const int NQ, const uint16_t *q, con
  * products run. Dot products of bfloat16 pairs (VDPBF16PS: two exact products added into a float32
  * lane) on the cache's and the query's own bits. Keys: per query head, QSPAN dot products reduced
  * into one vector of scores (hsum16x16). Per head a running max m and sum l (the accumulators
- * rescaled by exp(m_old - m) when the max moves); a span's probabilities exp(s - m) are rounded to bfloat16 (as torch's flash attention on CPU and vLLM's
- * paged attention round them before the product with V), the sums kept in float32. Values: two
+ * rescaled by exp(m_old - m) when the max moves); a span's probabilities exp(s - m) are rounded to
+ * bfloat16 (as torch's flash attention on CPU and vLLM's paged attention round them before the
+ * product with V), the sums kept in float32. Values: two
  * tokens a product, their rows interleaved (span_group). The output is put back in element order
  * at the end. What differs from a float32 reference is the probabilities' rounding, the order of
  * the sums and that VDPBF16PS flushes subnormals (below 1e-38) to zero. scratch: H * (D + 2) floats.
