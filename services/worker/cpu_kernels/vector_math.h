@@ -66,8 +66,7 @@ AVX512_INLINE __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    return _mm512_scalef_ps(p, n); /* p 2^n: exp8's product by the power in the exponent bits, one instruction */
 }
 
 /* bfloat16 bits to float32, sixteen lanes */
