@@ -208,6 +208,19 @@ def test_exp_within_two_ulp(lib):
     assert y[-5] == 1.0
 
 
+def test_exp16_lanes_equal_exp8(lib):
+    """The attention's and SiLU's sixteen-lane exp gives exp8's bits on every argument the softmax and SiLU take,
+    the clamp's edges included (2^-126 and 2^127, the powers past which the exponent bits would wrap), so a value
+    never depends on the vector width that computed it."""
+    x = torch.cat([torch.linspace(-88.0, 89.0, 160_000), torch.tensor([-87.3, -87.29, -87.0, -86.7, 88.3, 0.0] * 16)])
+    wide, narrow = torch.empty_like(x), torch.empty_like(x)
+    lib.kvg_exp(x.data_ptr(), narrow.data_ptr(), x.numel())
+    if not lib.kvg_exp16(x.data_ptr(), wide.data_ptr(), x.numel()):
+        pytest.skip("this CPU has no AVX-512")
+    assert narrow.min() < 1.3e-38 and narrow.max() > 2e38  # both ends of the clamp are reached
+    assert torch.equal(wide, narrow)
+
+
 def decode_attention_case(lib, dt, code, seq_lens, heads, kv_heads, head_dim, query_scale=1.0, block_size=4, window=0):
     """The kernel's output and the torch backend's for one query token per sequence over scattered blocks."""
     g = torch.Generator().manual_seed(11)

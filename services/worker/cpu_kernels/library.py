@@ -78,6 +78,7 @@ _SIGNATURES = {
     "kvg_argmax_rows": (c_void_p, c_int64, c_int, c_int64, c_void_p, c_int),
     # x, y, n (the attention's exp, for the tests)
     "kvg_exp": (c_void_p, c_void_p, c_int64),
+    "kvg_exp16": (c_void_p, c_void_p, c_int64),  # -> 1, or 0 without AVX-512
     "kvg_decode_layers": decode_step.SIGNATURE,
 }
 _PREFILL_SIGNATURES = {
@@ -191,7 +192,7 @@ def load() -> ctypes.CDLL:
     lib.kvg_select_attention_path.argtypes, lib.kvg_select_attention_path.restype = (c_int,), c_int
     lib.kvg_attention_path.argtypes, lib.kvg_attention_path.restype = (), c_int
     lib.kvg_select_attention_path(len(ATTENTION_PATHS) - 1)
-    for name in ("kvg_select_linear_path", "kvg_linear_path", "kvg_tile_linear", "kvg_tile_available"):
+    for name in ("kvg_select_linear_path", "kvg_linear_path", "kvg_tile_linear", "kvg_tile_available", "kvg_exp16"):
         getattr(lib, name).restype = c_int
     lib.kvg_select_linear_path.argtypes = (c_int,)
     lib.kvg_select_linear_path(len(LINEAR_PATHS) - 1)

@@ -52,7 +52,8 @@ INLINE __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-/* exp8 on sixteen lanes: the same operations, so each lane's result is exp8's bit for bit */
+/* exp8 on sixteen lanes, each lane's result exp8's bit for bit: the same operations, but for 2^n applied by
+   vscalef, which rounds the product once as exp8's multiply by the power built in the exponent bits does */
 AVX512_INLINE __m512 exp16(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
