@@ -1,7 +1,8 @@
 """K-quants (q4_k, q5_k, q6_k): the torch reference and the native dequantization equal ``gguf``'s own on
 random super-blocks and on the real Q4_K / Q6_K tensors of Gemma 3 270M (its PyPI package); the native
 products equal the torch reference of the same arithmetic on every path (AVX-512 VNNI, AVX2, scalar, each
-forced); the test-side quantizer writes ggml's layout; ``read_gguf`` keeps the blocks packed."""
+forced), and the one-row loops of the first two each other bit for bit; the test-side quantizer writes ggml's
+layout; ``read_gguf`` keeps the blocks packed."""
 
 from __future__ import annotations
 
@@ -141,6 +142,26 @@ def test_real_tensors_linear(lib, gemma_tensors):
         out = torch.empty(5, packed.shape[0])
         linear_into(x, formats.tile(packed), None, out)
         torch.testing.assert_close(out, formats.reference_linear(x, packed), **TOLERANCE, msg=name)
+
+
+@pytest.mark.parametrize("fmt", KQUANTS)
+def test_one_row_vnni_equals_avx2_bit_for_bit(fmt):
+    """Rows short of a group of four take the one-row loop, which AVX-512 VNNI runs two blocks a vector wide
+    (kquant_dot512.h) with the AVX2 loop's arithmetic lane for lane: the same bits, on every bit pattern."""
+    if select_quant_path("avx512-vnni") != "avx512-vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    packed = random_blocks(fmt, 37, 8, seed=60 + KQUANTS.index(fmt))
+    x = randn(3, 8 * kquants.SUPER, seed=61)
+    x[2, 100] = 1e3
+    outs = {}
+    try:
+        for path in ("avx2", "avx512-vnni"):
+            select_quant_path(path)
+            outs[path] = torch.full((3, 37), float("nan"))
+            linear_into(x, packed, None, outs[path])
+    finally:
+        select_quant_path(QUANT_PATHS[-1])
+    assert torch.equal(outs["avx2"], outs["avx512-vnni"])
 
 
 def test_accumulates_into_strided_rows(lib):

@@ -189,6 +189,7 @@ KQ_TARGET void KQ_NAME(decoded_dot)(const int fmt, const KBlock *row, int64_t nu
         default: call(Q6_K, __VA_ARGS__); break;                        \
     }
 
+#ifdef KQ_ROW_DOT_ANY /* AVX2 only: with AVX-512 VNNI, row_dot_any_512 (kquant_dot512.h) takes one-row products */
 KQ_TARGET_OUTLINED float KQ_NAME(row_dot_any)(int fmt, const uint8_t *w, int64_t num_super, const int8_t *xq,
                                               const float *xd, const float *xds) {
     float v;
@@ -197,6 +198,7 @@ KQ_TARGET_OUTLINED float KQ_NAME(row_dot_any)(int fmt, const uint8_t *w, int64_t
 #undef KQ_CALL
     return v;
 }
+#endif
 
 KQ_TARGET_OUTLINED void KQ_NAME(decode_row_any)(int fmt, const uint8_t *w, int64_t num_super, KBlock *row) {
 #define KQ_CALL(f, ...) for (int64_t s = 0; s < num_super; s++) KQ_NAME(decode)(f, w + s * k_block_bytes(f), row + s)

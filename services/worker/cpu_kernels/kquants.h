@@ -124,7 +124,9 @@ static float decoded_dot_scalar(const KBlock *row, int64_t num_super, int zero, 
 #define KQ_TARGET AVX2_FNS
 #define KQ_TARGET_OUTLINED __attribute__((target("avx2,fma,f16c"))) static
 #define DOT32(u, x) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (x)), _mm256_set1_epi16(1))
+#define KQ_ROW_DOT_ANY
 #include "kquant_dot.h"
+#undef KQ_ROW_DOT_ANY
 #undef KQ_NAME
 #undef KQ_TARGET
 #undef KQ_TARGET_OUTLINED
@@ -139,6 +141,7 @@ static float decoded_dot_scalar(const KBlock *row, int64_t num_super, int zero, 
 #undef KQ_TARGET
 #undef KQ_TARGET_OUTLINED
 #undef DOT32
+#include "kquant_dot512.h"
 #endif
 
 /*
@@ -173,7 +176,7 @@ static void linear_k(const QRows *xr, const uint8_t *w, const void *bias, void *
                 if (m < M) prefetch_record(row + PREFETCH_AHEAD, row_bytes); /* streamed: see PREFETCH_AHEAD */
                 for (; m < M; m++) {
                     const int64_t at = (int64_t)m * nb;
-                    const float v = (vnni ? row_dot_any_vnni : row_dot_any_avx2)(fmt, row, num_super, xr->q + at * QB,
+                    const float v = (vnni ? row_dot_any_512 : row_dot_any_avx2)(fmt, row, num_super, xr->q + at * QB,
                                                                                  xr->d + at, xr->ds + at);
                     put(y, ldy, m, n, v, fmt, NULL, bias, dt, accumulate);
                 }
