@@ -32,6 +32,19 @@ KQ_TARGET float KQ_NAME(hsum)(__m256 total) {
     return _mm_cvtss_f32(v);
 }
 
+/* A q6_k super-block p's 16 groups' d sc dx at once, into scale: groups 2b and 2b + 1 meet x's block b. */
+KQ_TARGET void KQ_NAME(q6_k_scales)(const uint8_t *p, const float *dx, float scale[16]) {
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)(p + 208)));
+    const __m256 dx8 = _mm256_loadu_ps(dx);
+    for (int i = 0; i < 2; i++) {
+        const __m256i groups = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 192 + 8 * i)));
+        const __m256i pairs =
+            _mm256_setr_epi32(4 * i, 4 * i, 4 * i + 1, 4 * i + 1, 4 * i + 2, 4 * i + 2, 4 * i + 3, 4 * i + 3);
+        const __m256 dxs = _mm256_permutevar8x32_ps(dx8, pairs);
+        _mm256_storeu_ps(scale + 8 * i, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(groups), d), dxs));
+    }
+}
+
 /*
  * Four float accumulators taken in turn and the offsets summed as one vector per super-block: one
  * accumulator would chain every block's multiply-add on the last one's result, and a row at batch 1 is
@@ -47,17 +60,8 @@ KQ_TARGET float KQ_NAME(row_dot)(const int fmt, const uint8_t *w, int64_t num_su
         const int8_t *x = xq + s * QK;
         const float *dx = xd + s * (QK / QB), *dsx = xds + s * (QK / QB);
         if (fmt == Q6_K) {
-            /* the 16 groups' d sc dx at once: group 2b and 2b + 1 meet x's block b */
-            const __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)(p + 208)));
-            const __m256 dx8 = _mm256_loadu_ps(dx);
             float scale[16];
-            for (int i = 0; i < 2; i++) {
-                const __m256i groups = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 192 + 8 * i)));
-                const __m256i pairs = _mm256_setr_epi32(4 * i, 4 * i, 4 * i + 1, 4 * i + 1, 4 * i + 2, 4 * i + 2,
-                                                        4 * i + 3, 4 * i + 3);
-                const __m256 dxs = _mm256_permutevar8x32_ps(dx8, pairs);
-                _mm256_storeu_ps(scale + 8 * i, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(groups), d), dxs));
-            }
+            KQ_NAME(q6_k_scales)(p, dx, scale);
             for (int half = 0; half < 2; half++) {
                 const __m256i qh = _mm256_loadu_si256((const __m256i *)(p + 128 + 32 * half));
                 const __m256i ql0 = _mm256_loadu_si256((const __m256i *)(p + 64 * half));

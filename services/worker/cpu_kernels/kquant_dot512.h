@@ -59,16 +59,8 @@ VNNI_FNS float row_dot_512(const int fmt, const uint8_t *w, int64_t num_super, c
         const int8_t *x = xq + s * QK;
         const float *dx = xd + s * (QK / QB), *dsx = xds + s * (QK / QB);
         if (fmt == Q6_K) {
-            const __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)(p + 208)));
-            const __m256 dx8 = _mm256_loadu_ps(dx);
-            float scale[16]; /* group g's d sc dx, as row_dot's */
-            for (int i = 0; i < 2; i++) {
-                const __m256i groups = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 192 + 8 * i)));
-                const __m256i pairs = _mm256_setr_epi32(4 * i, 4 * i, 4 * i + 1, 4 * i + 1, 4 * i + 2, 4 * i + 2,
-                                                        4 * i + 3, 4 * i + 3);
-                const __m256 dxs = _mm256_permutevar8x32_ps(dx8, pairs);
-                _mm256_storeu_ps(scale + 8 * i, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(groups), d), dxs));
-            }
+            float scale[16];
+            q6_k_scales_vnni(p, dx, scale);
             for (int half = 0; half < 2; half++) {
                 const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 128 + 32 * half)));
                 const __m512i ql = _mm512_loadu_si512((const void *)(p + 64 * half)); /* row_dot's ql0 | ql1 */
