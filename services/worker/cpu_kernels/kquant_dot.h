@@ -32,6 +32,22 @@ KQ_TARGET float KQ_NAME(hsum)(__m256 total) {
     return _mm_cvtss_f32(v);
 }
 
+/*
+ * All 8 scales (bytes 0-7) and mins (bytes 8-15) of a q4_k / q5_k super-block from its 12 packed bytes at q (16
+ * read; the quants follow them), each as ggml's get_scale_min_k4 gives it: lanes 0-3 and 8-11 are bytes 0-3 and
+ * 4-7 of q, 6 bits each; lanes 4-7 and 12-15 the low and high nibbles of bytes 8-11, above them the top two bits
+ * of bytes 0-3 and 4-7.
+ */
+KQ_TARGET __m128i KQ_NAME(scales_mins)(const uint8_t *q) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)q);
+    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+    const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+    const __m128i high = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -128, -128, -128, -128);
+    const __m128i low = _mm_blendv_epi8(a, _mm_srli_epi16(a, 4), high); /* lanes 12-15: the high nibbles */
+    const __m128i keep = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+    return _mm_or_si128(_mm_and_si128(low, keep), _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30)));
+}
+
 /* A q6_k super-block p's 16 groups' d sc dx at once, into scale: groups 2b and 2b + 1 meet x's block b. */
 KQ_TARGET void KQ_NAME(q6_k_scales)(const uint8_t *p, const float *dx, float scale[16]) {
     const __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)(p + 208)));
@@ -79,13 +95,12 @@ KQ_TARGET float KQ_NAME(row_dot)(const int fmt, const uint8_t *w, int64_t num_su
             continue;
         }
         const float d = _cvtsh_ss(*(const uint16_t *)p), dmin = _cvtsh_ss(*(const uint16_t *)(p + 2));
-        uint32_t sm[4]; /* the 8 scales' bytes, then the 8 mins' (scale_min_k4 for all j at once, as ggml) */
-        scales_mins_k4(p + 4, sm);
+        const __m128i sm = KQ_NAME(scales_mins)(p + 4);
         /* the 8 sub-blocks' d sc dx at once, and their offsets dmin m times x's block sums */
         float scale[8];
-        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm)));
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
         _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_mul_ps(sc, _mm256_set1_ps(d)), _mm256_loadu_ps(dx)));
-        const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2))));
+        const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
         offsets = _mm256_fmadd_ps(_mm256_mul_ps(mins, _mm256_set1_ps(dmin)), _mm256_loadu_ps(dsx), offsets);
         const uint8_t *qs = p + (fmt == Q5_K ? 48 : 16);
         const __m256i qh = fmt == Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
@@ -130,11 +145,10 @@ KQ_TARGET void KQ_NAME(decode)(const int fmt, const uint8_t *p, KBlock *b) {
         return;
     }
     const float d = _cvtsh_ss(*(const uint16_t *)p), dmin = _cvtsh_ss(*(const uint16_t *)(p + 2));
-    uint32_t sm[4];
-    scales_mins_k4(p + 4, sm);
-    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sm)));
+    const __m128i sm = KQ_NAME(scales_mins)(p + 4);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
     _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d), sc));
-    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sm + 2))));
+    const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
     _mm256_storeu_ps(b->offset, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(dmin), mins)));
     const uint8_t *qs = p + (fmt == Q5_K ? 48 : 16);
     const __m256i qh = fmt == Q5_K ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();

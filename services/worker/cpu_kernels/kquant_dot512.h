@@ -7,9 +7,8 @@
  * such steps go into one instruction, the low half doing what that row_dot does for one block and
  * the high half for the next: its four accumulators are the halves of two (acc[0] | acc[1] and
  * acc[2] | acc[3]), each lane takes the same integer sums, conversions and multiply-adds in the
- * same order, and the end adds the same vectors, so the result is that row_dot's bit for bit. The
- * scales and mins come out of their 12 packed bytes in one vector (scales_mins_512) rather than
- * through four scalar words stored and loaded again.
+ * same order, and the end adds the same vectors, so the result is that row_dot's bit for bit. A
+ * sub-block pair's scales come from the super-block's scale vector by one permute, not from memory.
  *
  * Why: at batch 1 a decode step's K-quant products (Q4_K_M models' most common blocks) were bound
  * by row_dot's instructions, not by reading the weights: 640 x 2048 q4_k products ran at ~13 GB/s
@@ -28,20 +27,6 @@ VNNI_FNS __m512i shift_halves(__m512i v, int lo, int hi) {
 VNNI_FNS __m512 quarters(const float *s) {
     const __m512i which = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     return _mm512_permutexvar_ps(which, _mm512_castps128_ps512(_mm_loadu_ps(s)));
-}
-
-/*
- * scales_mins_k4 in one vector: bytes 0-7 the 8 scales, 8-15 the 8 mins, from the 12 packed bytes at q (16 read;
- * a super-block's quants follow them). Lanes 0-3 and 8-11 are bytes 0-3 and 4-7 of q, 6 bits each; lanes 4-7
- * and 12-15 the low and high nibbles of bytes 8-11, above them the top two bits of bytes 0-3 and 4-7.
- */
-VNNI_FNS __m128i scales_mins_512(const uint8_t *q) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)q);
-    const __m128i a = _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
-    const __m128i b = _mm_shuffle_epi8(v, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
-    const __m128i low = _mm_mask_blend_epi8(0xf000, a, _mm_srli_epi16(a, 4)); /* lanes 12-15: the high nibbles */
-    const __m128i keep = _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
-    return _mm_or_si128(_mm_and_si128(low, keep), _mm_and_si128(_mm_srli_epi16(b, 2), _mm_set1_epi8(0x30)));
 }
 
 /* 64 unsigned weight bytes . 64 signed x bytes: 16 int32 lanes, each the sum of four bytes' products */
@@ -78,7 +63,7 @@ VNNI_FNS float row_dot_512(const int fmt, const uint8_t *w, int64_t num_super, c
             continue;
         }
         const float d = _cvtsh_ss(*(const uint16_t *)p), dmin = _cvtsh_ss(*(const uint16_t *)(p + 2));
-        const __m128i sm = scales_mins_512(p + 4);
+        const __m128i sm = scales_mins_vnni(p + 4);
         const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
         const __m256 scale8 = _mm256_mul_ps(_mm256_mul_ps(sc, _mm256_set1_ps(d)), _mm256_loadu_ps(dx));
         const __m512 scale = _mm512_castps256_ps512(scale8); /* lanes 8-15 unused */

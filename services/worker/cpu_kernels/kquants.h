@@ -25,17 +25,6 @@ INLINE void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
-/* All 8 scales (bytes 0-7 of out) and mins (bytes 8-15) of the 12 packed bytes, four at a time. */
-INLINE void scales_mins_k4(const uint8_t *q, uint32_t out[4]) {
-    uint32_t v[3];
-    memcpy(v, q, 12);
-    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
-    out[0] = v[0] & low6;                                      /* sc 0-3 */
-    out[1] = (v[2] & low4) | (((v[0] >> 6) & top2) << 4);     /* sc 4-7 */
-    out[2] = v[1] & low6;                                      /* m 0-3 */
-    out[3] = ((v[2] >> 4) & low4) | (((v[1] >> 6) & top2) << 4); /* m 4-7 */
-}
-
 /*
  * A super-block decoded: w = scale (q - zero) + offset per block of 32 values, zero 32 for q6_k, else 0
  * (q6_k's offsets are 0). q holds the values as stored, unsigned (the SIMD dot products take unsigned
