@@ -1,4 +1,4 @@
-"""The C structs of ``kvg_decode_layers`` (``decode_kernels.c``): a decode-only step's layers in one native call.
+"""The C structs of ``kvg_decode_layers`` (``decode_layers.h``): a decode-only step's layers in one native call.
 
 A model describes its layers once (weights, norms, caches: addresses that hold while it keeps its parameters and the
 worker its caches) as a ``StepModel``; each step passes its buffers and the step's positions, slots, block tables and

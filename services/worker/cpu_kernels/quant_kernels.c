@@ -546,7 +546,7 @@ void kvq_linear(const void *x, const void *w, const float *scales, const void *b
 
 /*
  * One caller's share of a one-row product, for a team that splits a step's products itself
- * (decode_kernels.c: kvg_decode_layers): tiles [t0, t1) of y = x W^T + bias, with no OpenMP of its
+ * (decode_layers.h: kvg_decode_layers): tiles [t0, t1) of y = x W^T + bias, with no OpenMP of its
  * own; x is quantized into the caller's own scratch (a few hundred bytes at one row). Then the first
  * lines of next (this caller's share of the step's next product) are asked for, so that its stream
  * does not start cold after the small ops between. kvq_takes_tiles says which formats it takes

@@ -1,4 +1,4 @@
-"""Gemma 3's decode steps as one native call: ``kvg_decode_layers`` with ``StepModel.gemma`` (``decode_kernels.c``).
+"""Gemma 3's decode steps as one native call: ``kvg_decode_layers`` with ``StepModel.gemma`` (``decode_layers.h``).
 
 Gemma 3's layers run in torch, op by op, on the native kernels where it has them (norms, rotary, paged attention,
 the quantized products): at one decode row ~20 calls a layer from Python, each its own OpenMP team, with the other
