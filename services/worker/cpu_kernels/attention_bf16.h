@@ -119,9 +119,11 @@ BF16DOT_FN void span_group(const int HEADS, const int NQ, const uint16_t *q, con
  * tokens a product, their rows interleaved (span_group). The output is put back in element order
  * at the end. What differs from a float32 reference is the probabilities' rounding, the order of
  * the sums and that VDPBF16PS flushes subnormals (below 1e-38) to zero. scratch: H * (D + 2) floats.
- * The keys' horizontal sums are a quarter of the time; taking the keys' products on AMX tiles instead (a
- * span's 16 rows straight from the cache against the G queries, the scores read back in one tile) is
- * ~20% slower over all on an AMX Xeon whose tile loads do not overlap the products.
+ * Measured no faster on an AMX Xeon (2 cores): the keys' products on AMX tiles (a span's 16 rows straight
+ * from the cache against the G queries, the scores read back in one tile), ~20% slower, its tile loads not
+ * overlapping the products; keys stored transposed within a block, so that a product's lanes are tokens and
+ * no horizontal sums are needed, within 5% either way; two passes per chunk (all keys, then values against
+ * the chunk's largest score, nothing rescaled), 10% faster from cache but 20% slower from memory.
  */
 BF16DOT_FN void attention_chunk_bf16dot(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                                         const int32_t *table, int t0, int t1, int H, int KV, const int NQ,
