@@ -143,17 +143,17 @@ def test_engine_choice(tmp_path, monkeypatch, caplog):
     with pytest.raises(ModelLoadError, match="--cpu-kernels native: .*float16"):
         load_model(path, dtype="float16", device="cpu", cpu_kernels="native")
 
-    # bfloat16 weights take oneDNN's GEMM on weights reordered at load where the CPU has bfloat16 units (AMX tiles up
-    # to 512 rows where it has AMX-BF16), below 5
-    # rows the native GEMV where it multiplies bfloat16 pairs; elsewhere they are multiplied in float32, on MKL's
-    # packed GEMM from 2 rows.
+    # bfloat16 weights take oneDNN's GEMM on weights reordered at load where the CPU has bfloat16 units (the tile GEMM
+    # up to 512 rows where a tile kernel runs: AMX-BF16, or AVX512-BF16), below 5 rows (1 ahead of AMX tiles, none
+    # ahead of the AVX512-BF16 tiles) the native GEMV where it multiplies bfloat16 pairs; elsewhere they are
+    # multiplied in float32, on MKL's packed GEMM from 2 rows.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="services.worker.setup.build"):
         assert load_model(path, dtype="bfloat16", device="cpu", cpu_kernels="auto").model.native_path is not None
-    gemm = "AMX-tiled bfloat16 (oneDNN's reordered above 512 rows)" if tile_gemm.available() else (
-        "oneDNN's reordered bfloat16")  # fmt: skip
-    if detect_cpu().bf16_units and library.linear_path() == "avx512-bf16":
-        pairs = "the native GEMV on bfloat16 pairs " + ("at 1 row" if tile_gemm.available() else "up to 4 rows")
+    tiles = library.tile_path()
+    gemm = tile_gemm.describe() if tiles else "oneDNN's reordered bfloat16"
+    if detect_cpu().bf16_units and library.linear_path() == "avx512-bf16" and tiles != "avx512-bf16":
+        pairs = "the native GEMV on bfloat16 pairs " + ("at 1 row" if tiles == "amx" else "up to 4 rows")
         assert f"matmuls: {pairs}, the GEMM on {gemm} weights above" in caplog.text
     elif detect_cpu().bf16_units:
         assert f"matmuls: the GEMM on {gemm} weights at every row count" in caplog.text

@@ -1,6 +1,8 @@
-"""bfloat16 products on AMX tiles (``cpu_kernels.tile_gemm``, ``amx_gemm.h``): oneDNN's sums on 16 rows bit for bit,
-any number of rows (a row's product does not depend on the others), bias and accumulation as torch's, oneDNN's
-GEMM above ``MAX_ROWS``; the model's layers take them, the LM head keeps oneDNN's."""
+"""bfloat16 products on the tile GEMM (``cpu_kernels.tile_gemm``), each kernel this CPU runs: AMX tiles
+(``amx_gemm.h``), oneDNN's sums on 16 rows bit for bit; AVX512-BF16 dot products (``tile_gemm_bf16dot.h``), a
+float32 loop over K adding each pair's odd then even product bit for bit. Any number of rows (a row's product does
+not depend on the others), bias and accumulation as torch's, oneDNN's GEMM above ``MAX_ROWS``; the model's layers
+take them, the LM head keeps oneDNN's where its shape does not fit."""
 
 from __future__ import annotations
 
@@ -14,8 +16,20 @@ from tests.worker.test_onednn_gemm import step_logits
 from tests.worker.tiny import drop_packed_gemms, save_tiny_model
 
 pytestmark = pytest.mark.skipif(
-    not (tile_gemm.available() and onednn_gemm.available()), reason="no AMX-BF16 tiles here (or no oneDNN GEMM)"
+    not (tile_gemm.available() and onednn_gemm.available()),
+    reason="no tile kernel here (AMX-BF16 or AVX512-BF16), or no oneDNN GEMM",
 )
+
+
+@pytest.fixture(params=["amx", "avx512-bf16"])
+def kernel(request):
+    """Each tile kernel, selected for the test where this CPU runs it (an AMX CPU runs both); the best after."""
+    try:
+        if library.select_tile_path(request.param) != request.param:
+            pytest.skip(f"this CPU does not run the {request.param} tile kernel")
+        yield request.param
+    finally:
+        library.select_tile_path("amx")
 
 
 def bf16(*shape: int, generator: torch.Generator) -> torch.Tensor:
@@ -30,21 +44,34 @@ def by_sixteen(gemm: onednn_gemm.OnednnGemm, x: torch.Tensor, bias: torch.Tensor
     return torch.cat([gemm(block, bias) for block in padded.split(16)])[:rows]
 
 
+def pair_sums(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """VDPBF16PS's sums in float32: over K in order, each pair's odd product added, then its even one (products of
+    two bfloat16 values are exact in float32), the bias added, rounded to bfloat16."""
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for p in range(0, x.shape[1], 2):
+        acc = acc + xf[:, p + 1, None] * wf[None, :, p + 1]
+        acc = acc + xf[:, p, None] * wf[None, :, p]
+    return (acc if bias is None else acc + bias.float()).to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (64, 96)])
-@pytest.mark.parametrize("rows", [5, 16, 20, 64, 100])
+@pytest.mark.parametrize("rows", [1, 5, 16, 20, 64, 100])
 @pytest.mark.parametrize("bias", [False, True])
-def test_products_are_onednns_sixteen_row_sums(n, k, rows, bias):
+def test_products_are_the_kernels_sums(kernel, n, k, rows, bias):
+    """AMX: oneDNN's sums on 16 rows; AVX512-BF16: the float32 loop of its pairs (rows in blocks of 6, the columns
+    in pairs of 32-column groups with a single one at a thread's end)."""
     g = torch.Generator().manual_seed(rows + n)
     w, x = bf16(n, k, generator=g), bf16(rows, k, generator=g)
     b = bf16(n, generator=g) if bias else None
     gemm = tile_gemm.TileGemm(w)
     got = gemm(x, b)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    assert torch.equal(got, by_sixteen(gemm.large, x, b))
+    assert torch.equal(got, by_sixteen(gemm.large, x, b) if kernel == "amx" else pair_sums(x, w, b))
     assert torch.equal(gemm(x[:3], b), got[:3])  # the same rows alone: the same bits
 
 
-def test_into_strided_rows_and_accumulating():
+def test_into_strided_rows_and_accumulating(kernel):
     """Rows of x and out strided (a step's views), and out += product rounded as torch's out.add_(product)."""
     g = torch.Generator().manual_seed(1)
     w, b = bf16(96, 64, generator=g), bf16(96, generator=g)
@@ -84,10 +111,10 @@ def test_shapes_outside_the_layout_are_refused():
 
 
 @pytest.mark.parametrize("cpu_kernels", ["torch", "native"])
-def test_model_layers_take_tiles_and_the_lm_head_onednn(tmp_path, cpu_kernels, monkeypatch):
+def test_model_layers_take_tiles_and_the_lm_head_onednn(tmp_path, cpu_kernels, monkeypatch, kernel):
     """Every product of 1 to 512 rows is on the tiles (18-row prefill; 3- and 1-row decodes where the native GEMV does
-    not take them: it takes one row where it multiplies bfloat16 pairs), none on oneDNN's GEMM; a weight whose shape
-    the tiles do not take keeps oneDNN's; the logits stay close to the unpacked model's."""
+    not take them: it takes one row where it multiplies bfloat16 pairs and the tiles are AMX's), none on oneDNN's
+    GEMM; a weight whose shape the tiles do not take keeps oneDNN's; the logits stay close to the unpacked model's."""
     path = save_tiny_model(str(tmp_path), "qwen2", tie_word_embeddings=True)  # biases on q, k, v
     loaded = load_model(
         path, dtype="bfloat16", device="cpu", attention_backend="torch", cpu_kernels=cpu_kernels, upcast_matmuls=False
@@ -97,14 +124,16 @@ def test_model_layers_take_tiles_and_the_lm_head_onednn(tmp_path, cpu_kernels, m
     drop_packed_gemms(model)
     plain = step_logits(loaded)
     said = model.set_packed_gemms(bf16_units=True)
-    assert said.startswith("every product on AMX-tiled bfloat16 (oneDNN's reordered above 512 rows) weights (+"), said
+    assert said.startswith(f"every product on {tile_gemm.describe()} weights (+"), said
+    assert tile_gemm.describe().startswith("AMX-tiled" if kernel == "amx" else "tiled (AVX512-BF16)")
     assert all(isinstance(m.gemm, tile_gemm.TileGemm) for m in linears)
     assert isinstance(model.logits_gemm, tile_gemm.TileGemm)  # the tied embedding's: 160 x 64
     weights = sum(m.weight.numel() for m in linears) + model.embed_tokens.weight.numel()
     assert model.packed_gemm_bytes() == 2 * 2 * weights  # tiles and oneDNN's copy
     native = model.native_path
-    if native is not None:  # the GEMV on bfloat16 pairs leads at one row only (gemv_rows.BF16_TILE_PAIR_ROWS)
-        assert native.rows.takes_gemv(model.logits_gemm, 1) == (library.linear_path() == "avx512-bf16")
+    if native is not None:  # the GEMV on bfloat16 pairs leads AMX's tiles at one row (gemv_rows.BF16_TILE_PAIR_ROWS)
+        pairs = library.linear_path() == "avx512-bf16" and kernel == "amx"
+        assert native.rows.takes_gemv(model.logits_gemm, 1) == pairs
         assert not native.rows.takes_gemv(model.logits_gemm, 2) and native.in_one_call(2)
     rows = []
     product = onednn_gemm.OnednnGemm.__call__

@@ -17,20 +17,16 @@
  * sum rounded to bfloat16 (nearest even, as torch), and where accumulating added to y and rounded
  * again (torch's out.add_(product)). oneDNN's products on 16 rows are these bit for bit; on more rows
  * it splits K into blocks and adds their sums, which rounds differently in the last place now and then.
+ * CPUs with AVX512-BF16 and no AMX multiply the same layout in tile_gemm_bf16dot.h, whose kvg_tile_linear
+ * picks the kernel.
  */
 
 #include "amx_tiles.h"
 #include "vector_math.h"
-#if defined(HAVE_AMX)
 
-/* groups of 32 columns whose weights stay in L2 while every block of 32 rows passes (8 was ~5% slower at 64 rows) */
-#define TILE_SLAB 4
-#define TILE_AHEAD 8 /* chunks (2 KiB each) the stream keeps at least ahead of the first pass */
-
-int kvg_tile_available(void) { return amx_granted(); }
-
-/* rows of a 32-column block of sums (rows of 32 floats) out to y, as the header says */
-AMX_TARGET static void tile_put(const float *c, int rows, uint16_t *y, int64_t ldy, const uint16_t *bias, int acc) {
+/* rows of a 32-column block of sums (rows of 32 floats) out to y, as the header says (both tile GEMMs) */
+__attribute__((target(AVX512_TARGET))) static void tile_put(const float *c, int rows, uint16_t *y, int64_t ldy,
+                                                            const uint16_t *bias, int acc) {
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < 2; h++) {
             __m512 v = _mm512_loadu_ps(c + r * 32 + h * 16);
@@ -44,6 +40,12 @@ AMX_TARGET static void tile_put(const float *c, int rows, uint16_t *y, int64_t l
             _mm256_storeu_si256((__m256i *)dst, out);
         }
 }
+
+#if defined(HAVE_AMX)
+
+/* groups of 32 columns whose weights stay in L2 while every block of 32 rows passes (8 was ~5% slower at 64 rows) */
+#define TILE_SLAB 4
+#define TILE_AHEAD 8 /* chunks (2 KiB each) the stream keeps at least ahead of the first pass */
 
 /*
  * A thread's weights stream from memory into L2 ahead of the products, through a cursor that moves on at every
@@ -113,9 +115,10 @@ AMX_TARGET static void tile_block(const uint16_t *xm, int64_t ldx, const uint16_
  * bias [N] or NULL, y rows of stride ldy. Each thread takes a run of column groups and streams its weights
  * in order, a slab of TILE_SLAB groups at a time against every 32 rows. Rows past a multiple of 16 are
  * multiplied as zeros from a padded copy. Returns 0 (nothing written) where AMX is unavailable, N or K
- * is not a multiple of 32, or the padded copy cannot be allocated.
+ * is not a multiple of 32, or the padded copy cannot be allocated. kvg_tile_linear (tile_gemm_bf16dot.h)
+ * calls it where AMX is granted.
  */
-int kvg_tile_linear(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy, int M,
+static int tile_linear_amx(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy, int M,
                     int64_t N, int64_t K, int accumulate) {
     if (!amx_granted() || N % 32 || K % 32 || M <= 0) return 0;
     static __thread uint16_t *padded;
@@ -161,9 +164,9 @@ int kvg_tile_linear(const void *x, int64_t ldx, const void *w, const void *bias,
     return 1;
 }
 #else
-int kvg_tile_available(void) { return 0; }
-int kvg_tile_linear(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy, int M,
-                    int64_t N, int64_t K, int accumulate) {
+static int amx_granted(void) { return 0; }
+static int tile_linear_amx(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy, int M,
+                           int64_t N, int64_t K, int accumulate) {
     (void)x, (void)ldx, (void)w, (void)bias, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)accumulate;
     return 0;
 }

@@ -221,6 +221,8 @@ int kvg_select_linear_path(int want) {
 
 int kvg_linear_path(void) { return linear_path < 0 ? kvg_select_linear_path(LINEAR_AVX512_BF16) : linear_path; }
 
+#include "tile_gemm_bf16dot.h" /* the tile layout on AVX512-BF16 dot products; kvg_tile_linear */
+
 /*
  * y[m, n] = sum_k x[m, k] w[n, k] + bias[n], for m < M (a handful of decode rows).
  * x: [M, K] (row stride K), w: [N, K], bias: [N] or NULL, y: rows of stride ldy; all dtype dt.

@@ -3,7 +3,8 @@
 Three shared libraries, each from its C file (plus the headers beside it: ``scalar.h``, ``kquants.h``...):
 - ``decode_kernels.c``: the float32/bfloat16 step kernels, compiled for AVX2 and FMA (paged
   attention also with AVX-512 and AVX512-BF16, chosen at run time: ``ATTENTION_PATHS``, and the
-  bfloat16 GEMV with AVX512-BF16: ``LINEAR_PATHS``, and bfloat16 GEMMs on AMX tiles: ``amx_gemm.h``); ``load`` raises
+  bfloat16 GEMV with AVX512-BF16: ``LINEAR_PATHS``, and the bfloat16 tile GEMM on AMX tiles or AVX512-BF16:
+  ``TILE_PATHS``); ``load`` raises
   ``NativeKernelsUnavailable`` on CPUs without AVX2 and FMA.
 - ``prefill_attention.c``: causal attention of prefill chunks over the paged cache, compiled for
   AVX-512F; ``load_prefill`` raises ``NativeKernelsUnavailable`` on CPUs without it (prefill chunks
@@ -47,6 +48,9 @@ DTYPE_CODES = {"float32": 0, "bfloat16": 1}  # see scalar.h
 ATTENTION_PATHS = ("avx2", "avx512", "avx512-bf16")
 # The bfloat16 GEMV's paths, slowest first (kvg_select_linear_path's codes): widened to float32, or bfloat16 pairs.
 LINEAR_PATHS = ("avx2", "avx512-bf16")
+# Kernels of the bfloat16 tile GEMM (tile_gemm.py), by kvg_tile_available's number: none on this CPU, AMX tiles
+# (amx_gemm.h), or the same layout on AVX512-BF16 dot products (tile_gemm_bf16dot.h).
+TILE_PATHS = (None, "amx", "avx512-bf16")
 # The quantized linear's dot products, slowest first (kvq_select_path's codes, see quant_kernels.c).
 QUANT_PATHS = ("scalar", "avx2", "avx512-vnni")
 
@@ -71,9 +75,10 @@ _SIGNATURES = {
         + (c_int,) * 5
         + (c_float, c_int, c_int)
     ),
-    # x, ldx, w (AMX tiles), bias, y, ldy, M, N, K, accumulate -> 1, or 0 without AMX (amx_gemm.h)
+    # x, ldx, w (tiles), bias, y, ldy, M, N, K, accumulate -> 1, or 0 where no tile kernel runs (tile_gemm_bf16dot.h)
     "kvg_tile_linear": (c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int64, c_int64, c_int),
-    "kvg_tile_available": (),
+    "kvg_tile_available": (),  # -> the tile kernel in use (index of TILE_PATHS)
+    "kvg_select_tile_path": (c_int,),  # the one asked for where it runs, else the best -> the one in use
     # x, ldx, M, N, out (int64), dtype
     "kvg_argmax_rows": (c_void_p, c_int64, c_int, c_int64, c_void_p, c_int),
     # x, y, n (the attention's exp, for the tests)
@@ -192,7 +197,14 @@ def load() -> ctypes.CDLL:
     lib.kvg_select_attention_path.argtypes, lib.kvg_select_attention_path.restype = (c_int,), c_int
     lib.kvg_attention_path.argtypes, lib.kvg_attention_path.restype = (), c_int
     lib.kvg_select_attention_path(len(ATTENTION_PATHS) - 1)
-    for name in ("kvg_select_linear_path", "kvg_linear_path", "kvg_tile_linear", "kvg_tile_available", "kvg_exp16"):
+    for name in (
+        "kvg_select_linear_path",
+        "kvg_linear_path",
+        "kvg_tile_linear",
+        "kvg_tile_available",
+        "kvg_select_tile_path",
+        "kvg_exp16",
+    ):
         getattr(lib, name).restype = c_int
     lib.kvg_select_linear_path.argtypes = (c_int,)
     lib.kvg_select_linear_path(len(LINEAR_PATHS) - 1)
@@ -219,6 +231,17 @@ def select_linear_path(name: str) -> str:
     """Use the bfloat16 GEMV's ``name`` path (of LINEAR_PATHS), or the fastest below it this CPU has;
     returns the path now in use."""
     return LINEAR_PATHS[load().kvg_select_linear_path(LINEAR_PATHS.index(name))]
+
+
+def tile_path() -> str | None:
+    """The bfloat16 tile GEMM's kernel in use (of TILE_PATHS; None: this CPU runs neither)."""
+    return TILE_PATHS[load().kvg_tile_available()]
+
+
+def select_tile_path(name: str) -> str | None:
+    """Use the tile GEMM's ``name`` kernel ("amx" or "avx512-bf16") where this CPU runs it, else the best it runs;
+    returns the kernel now in use."""
+    return TILE_PATHS[load().kvg_select_tile_path(TILE_PATHS.index(name))]
 
 
 @functools.cache

@@ -21,7 +21,8 @@ path's buffers, and ahead of the GEMV from two rows); bfloat16 weights on a CPU 
 units take the native GEMV on bfloat16 pairs (AVX512-BF16) for a few rows, where it streams the
 weights faster than any GEMM, and oneDNN's GEMM on weights reordered for those units above
 (``cpu_kernels.onednn_gemm``; at every row count where the GEMV can only widen to float32); where the
-CPU has AMX-BF16, products up to ``tile_gemm.MAX_ROWS`` rows take AMX tiles instead
+CPU has AMX-BF16, products up to ``tile_gemm.MAX_ROWS`` rows take AMX tiles instead, and where it has
+AVX512-BF16 without AMX, the same tiled copy on bfloat16 dot products, from one row
 (``cpu_kernels.tile_gemm``, into this path's buffers, from the one-call step too). Without a packed
 GEMM, the native GEMV up to a few rows and torch's GEMM above (compute-bound there, where MKL is
 faster); ``gemv_rows`` holds every limit. Packed weights (``--quantization``) take

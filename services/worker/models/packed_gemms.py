@@ -2,10 +2,10 @@
 
 float32 weights (or ``set_upcast_matmuls``' float32 copies, which the packed ones replace) go to MKL's packed GEMM
 (``cpu_kernels.mkl_gemm``), taking products of 2+ rows; bfloat16 ones, on a CPU with bfloat16 units, to oneDNN's
-GEMM on weights reordered for it (``cpu_kernels.onednn_gemm``), taking every product; where the CPU also has
-AMX-BF16, the shape takes the tiles and both copies fit the limit, products of up to ``tile_gemm.MAX_ROWS`` rows
-take the AMX tile GEMM instead (``cpu_kernels.tile_gemm``). Packed weights live beside the model's own: the
-limit bounds what packing adds resident.
+GEMM on weights reordered for it (``cpu_kernels.onednn_gemm``), taking every product; where a tile kernel runs
+(AMX-BF16, or AVX512-BF16 dot products), the shape takes the tiles and both copies fit the limit, products of up
+to ``tile_gemm.MAX_ROWS`` rows take the tile GEMM instead (``cpu_kernels.tile_gemm``). Packed weights live beside
+the model's own: the limit bounds what packing adds resident.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def pack(model: LlamaForCausalLM, limit: int = PACKED_GEMM_LIMIT, bf16_units: bo
     products = "every product" if gemm.min_rows == 1 else f"products of {gemm.min_rows}+ rows"
     on, gemms = f"{gemm.weights} weights", distinct(model)
     if tiled := sum(isinstance(g, TileGemm) for g in gemms):
-        on = f"{TileGemm.weights} weights" + ("" if tiled == len(gemms) else f" ({tiled} of {len(gemms)}), {on}")
+        on = f"{tile_gemm.describe()} weights" + ("" if tiled == len(gemms) else f" ({tiled} of {len(gemms)}), {on}")
     return f"{products} on {on} (+{sum(g.nbytes for g in gemms) / 2**20:.0f} MiB)"
 
 
