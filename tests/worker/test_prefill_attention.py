@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.cpu_kernels import library
+from services.worker.cpu_kernels.library import PREFILL_PATHS
 from services.worker.setup.cpu_features import cpu_flags
 
 pytestmark = pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the prefill kernel needs AVX-512F")
@@ -84,35 +85,39 @@ def test_matches_float64_attention(lib, dtype, H, KV, D, block_size):
 
 @pytest.fixture
 def paths(lib):
-    """The paths this CPU runs for bfloat16 caches: float32 FMAs, and AMX tiles where it has them; each test
-    leaves the fastest in use."""
-    available = ["float32"] + (["amx"] if lib.kvp_select_path(1) == 1 else [])
+    """The paths this CPU runs for bfloat16 caches: float32 FMAs, AMX tiles and AVX512-BF16 dot products where it
+    has them (an AMX CPU has both); each test leaves the fastest in use."""
+    available = [name for i, name in enumerate(PREFILL_PATHS) if lib.kvp_select_path(i) == i]
+    lib.kvp_select_path(PREFILL_PATHS.index("amx"))
     yield available
-    lib.kvp_select_path(1)
+    lib.kvp_select_path(PREFILL_PATHS.index("amx"))
 
 
 @pytest.mark.parametrize(
     "H, KV, D, block_size", [(9, 3, 64, 16), (8, 1, 128, 32), (4, 2, 96, 16)], ids=["smollm2", "mqa-d128", "d96"]
 )
 def test_each_bfloat16_path_matches_float64_attention(lib, paths, H, KV, D, block_size):
-    """The float32 path and the AMX tiles (blocks of a multiple of 16 tokens, D a multiple of 32: 16 keys of a
-    block a tile, up to four output tiles at a time) give the same attention to bfloat16's tolerance; where
-    the CPU has no AMX, only the float32 path runs."""
+    """The float32 path, the AMX tiles (blocks of a multiple of 16 tokens, D a multiple of 32: 16 keys of a block a
+    tile, up to four output tiles at a time) and the AVX512-BF16 dot products (four keys at a time, 16 output
+    elements at a time) give the same attention to bfloat16's tolerance; each runs where the CPU has it."""
     seqs = [(0, 1), (0, 17), (3, 20), (40, 33), (0, 150), (130, 1), (7, 64)]
     outs = {}
     for name in paths:
-        assert lib.kvp_select_path(["float32", "amx"].index(name)) == ["float32", "amx"].index(name)
+        assert lib.kvp_select_path(PREFILL_PATHS.index(name)) == PREFILL_PATHS.index(name)
         outs[name], expected = attend(lib, seqs, H, KV, D, block_size, torch.bfloat16)
         assert not outs[name].isnan().any()
         torch.testing.assert_close(outs[name].double(), expected, atol=8e-3, rtol=8e-3)
-    if "amx" in outs:  # the tiles ran: their sums and bfloat16 weights are not the float32 path's bits
-        assert not torch.equal(outs["amx"], outs["float32"])
+    for name in set(outs) - {"float32"}:  # bfloat16 products ran: their weights are not the float32 path's bits
+        assert not torch.equal(outs[name], outs["float32"])
 
 
-def test_amx_thread_counts_agree(lib, paths):
-    """Each thread configures its own tiles: one thread and three give the same bits."""
-    if "amx" not in paths:
-        pytest.skip("this CPU has no AMX tiles")
+@pytest.mark.parametrize("name", ["amx", "avx512-bf16"])
+def test_bfloat16_thread_counts_agree(lib, paths, name):
+    """Each thread configures its own tiles (AMX), the sequences' transposed values are shared by its tasks (both):
+    one thread and three give the same bits."""
+    if name not in paths:
+        pytest.skip(f"this CPU does not run the {name} path")
+    lib.kvp_select_path(PREFILL_PATHS.index(name))
     seqs = [(0, 37), (12, 50), (0, 3)]
     one, _ = attend(lib, seqs, 9, 3, 64, 16, torch.bfloat16, threads=1)
     three, _ = attend(lib, seqs, 9, 3, 64, 16, torch.bfloat16, threads=3)

@@ -51,6 +51,8 @@ LINEAR_PATHS = ("avx2", "avx512-bf16")
 # Kernels of the bfloat16 tile GEMM (tile_gemm.py), by kvg_tile_available's number: none on this CPU, AMX tiles
 # (amx_gemm.h), or the same layout on AVX512-BF16 dot products (tile_gemm_bf16dot.h).
 TILE_PATHS = (None, "amx", "avx512-bf16")
+# Prefill attention's paths for bfloat16 caches (kvp_select_path's codes, prefill_attention.c).
+PREFILL_PATHS = ("float32", "amx", "avx512-bf16")
 # The quantized linear's dot products, slowest first (kvq_select_path's codes, see quant_kernels.c).
 QUANT_PATHS = ("scalar", "avx2", "avx512-vnni")
 
@@ -88,7 +90,7 @@ _SIGNATURES = {
 }
 _PREFILL_SIGNATURES = {
     "kvp_set_num_threads": (c_int,),
-    "kvp_select_path": (c_int,),  # at most: 0 float32 FMAs, 1 AMX tiles (bfloat16 caches) -> the path in use
+    "kvp_select_path": (c_int,),  # PREFILL_PATHS' index: that one where it runs, else the fastest -> the one taken
     # q, ldq, k_cache, v_cache, block_tables, ldt, seq_lens, query_start, out, ldo, B, H, KV, D, block_size, scale,
     # dtype
     "kvp_prefill_attention": (

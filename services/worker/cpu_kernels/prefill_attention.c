@@ -15,7 +15,10 @@
  * way. Keys and values are converted to float32 once per tile of TILE tokens and shared by the G
  * heads. Two passes, as the decode kernel: every score first (the exact max), then the values in
  * token order. float32 throughout; the output is rounded to the model dtype once (as SDPA). On
- * bfloat16 caches, where the CPU has AMX-BF16, the same tasks multiply on AMX tiles (task_amx).
+ * bfloat16 caches, where the CPU has AMX-BF16, the same tasks multiply on AMX tiles (task_amx), and where it
+ * has AVX512-BF16 without AMX, on VDPBF16PS dot products over the same bfloat16 pairs (task_bf16dot): SmolLM2
+ * prefill steps (2 threads, Zen 5, alternated in one process) 6% faster than the float32 task's at 256-token
+ * prompts, 11% at 512, 2% at 64.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -213,6 +216,10 @@ static int shares_values(const int32_t *query_start, int b) {
 }
 
 #ifdef HAVE_AMX
+/* Helpers of the bfloat16 tasks (task_amx, task_bf16dot): no AMX instruction of their own. */
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define BF16_INLINE __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) static inline
+
 /*
  * The same task on AMX-BF16 tiles, for bfloat16 caches whose blocks hold a multiple of 16 tokens and D a
  * multiple of 32. Scores S = K Q^T: 16 keys of a block are one A tile straight from the cache (rows of
@@ -239,7 +246,7 @@ static int shares_values(const int32_t *query_start, int b) {
  * or past are zeros. Pairs interleaved 16 at a time (vpunpck{l,h}wd, then back in element order), then
  * 16 x 16 blocks of words transposed.
  */
-AMX_TARGET static void values_transposed(const uint16_t *v_cache, const int32_t *table, int n, int j, int block_size,
+BF16_TARGET static void values_transposed(const uint16_t *v_cache, const int32_t *table, int n, int j, int block_size,
                                          int64_t row, int64_t head, int D, int words, int32_t *vt) {
     static const uint16_t zeros[MAX_D];
     int32_t pairs[16 * MAX_D]; /* [pair][D words] */
@@ -280,25 +287,15 @@ static int64_t amx_scratch_floats(int G, int D, int max_keys) {
 }
 
 /* Weight of key t for the 16 lanes: exp(scale * (score - max)), 0 where a lane does not see it or past n. */
-AMX_TARGET static inline __m512 lane_weight(const float *sh, int t, int n, int unmasked, __m512i pos, __m512 scale,
-                                            __m512 top) {
+BF16_INLINE __m512 lane_weight(const float *sh, int t, int n, int unmasked, __m512i pos, __m512 scale, __m512 top) {
     if (t >= n) return _mm512_setzero_ps();
     const __m512 e = exp16(_mm512_fmsub_ps(_mm512_loadu_ps(sh + (int64_t)t * ROWS), scale, top));
     return t < unmasked ? e : _mm512_maskz_mov_ps(_mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(t)), e);
 }
 
-AMX_TARGET static void task_amx(const uint16_t *q, int64_t ldq, const uint16_t *k_cache, const int32_t *vt, int words,
-                                const int32_t *table, int first, int r0, int nrows, int g, int H, int KV, int D,
-                                int block_size, float scale, uint16_t *out, int64_t ldo, float *scratch,
-                                int max_keys) {
-    const int G = H / KV, P = D / 2;
-    const int64_t row = (int64_t)KV * D, head = (int64_t)g * D;
-    const int last = first + r0 + nrows - 1;
-    const int n = last + 1, n32 = (n + 31) / 32 * 32, keys = (max_keys + 31) / 32 * 32;
-    int32_t *qt = (int32_t *)scratch;                  /* [G][P][ROWS]: query pairs, transposed */
-    float *s = scratch + (int64_t)G * D * ROWS / 2;    /* [G][keys][ROWS]: scores */
-    uint16_t *pt = (uint16_t *)(s + (int64_t)G * keys * ROWS); /* [keys / 2][ROWS][2]: one head's weights */
-    float *o = (float *)(pt + (int64_t)ROWS * keys);   /* [D][ROWS]: one head's outputs, transposed */
+/* [P][ROWS] words per head, head after head: word (p, r) is row r's elements 2p, 2p + 1 of that query head (rows
+   past nrows repeat the last); 16 x 16 blocks of words transposed. */
+BF16_INLINE void query_pairs(const uint16_t *q, int64_t ldq, int r0, int nrows, int g, int G, int D, int32_t *qt) {
     for (int hh = 0; hh < G; hh++)
         for (int d0 = 0; d0 < D; d0 += 32) {
             __m512 block[16];
@@ -308,24 +305,109 @@ AMX_TARGET static void task_amx(const uint16_t *q, int64_t ldq, const uint16_t *
             }
             transpose16(block); /* moves bits only */
             for (int i = 0; i < 16; i++)
-                _mm512_storeu_ps((float *)qt + ((int64_t)hh * P + d0 / 2 + i) * ROWS, block[i]);
+                _mm512_storeu_ps((float *)qt + ((int64_t)hh * D / 2 + d0 / 2 + i) * ROWS, block[i]);
         }
+}
+
+/* A bfloat16 task's keys (n, rounded up to 32, and the scratch's room: keys), its query pairs, lanes' positions
+   and the scratch carved: [G][P][ROWS] query pairs, transposed; [G][keys][ROWS] scores; [keys / 2][ROWS][2] one
+   head's weights; [D][ROWS] one head's outputs, transposed. */
+typedef struct {
+    int n, n32, keys, unmasked; /* keys below unmasked are seen by every lane */
+    __m512i pos;                /* lane r's position: it sees keys up to it */
+    int32_t *qt;
+    float *s, *o;
+    uint16_t *pt;
+} Bf16Task;
+
+BF16_INLINE Bf16Task bf16_task(const uint16_t *q, int64_t ldq, int first, int r0, int nrows, int g, int G, int D,
+                               float *scratch, int max_keys) {
+    Bf16Task b;
+    b.n = first + r0 + nrows, b.n32 = (b.n + 31) / 32 * 32, b.keys = (max_keys + 31) / 32 * 32;
+    b.qt = (int32_t *)scratch;
+    b.s = scratch + (int64_t)G * D * ROWS / 2;
+    b.pt = (uint16_t *)(b.s + (int64_t)G * b.keys * ROWS);
+    b.o = (float *)(b.pt + (int64_t)ROWS * b.keys);
+    query_pairs(q, ldq, r0, nrows, g, G, D, b.qt);
     int lane_pos[ROWS];
     for (int r = 0; r < ROWS; r++) lane_pos[r] = first + r0 + (r < nrows ? r : nrows - 1);
-    const __m512i pos = _mm512_loadu_si512(lane_pos);
-    const int unmasked = first + r0;
+    b.pos = _mm512_loadu_si512(lane_pos);
+    b.unmasked = first + r0;
+    return b;
+}
+
+/* A key's scores for the 16 lanes with the diagonal applied: -inf for the lanes before the key's position. */
+BF16_INLINE __m512 masked(const Bf16Task *b, int t, __m512 score) {
+    if (t < b->unmasked) return score;
+    return _mm512_mask_mov_ps(score, _mm512_cmplt_epi32_mask(b->pos, _mm512_set1_epi32(t)), _mm512_set1_ps(-INFINITY));
+}
+
+/* Query head hh's weights exp(scale * (score - top)) of keys [0, n32) rounded to bfloat16 pairs into b->pt
+   [n32 / 2][ROWS][2] (word r of pair i: keys 2i and 2i + 1 for row r); returns the lanes' sums of the unrounded
+   weights. */
+BF16_INLINE __m512 weight_pairs(const Bf16Task *b, int hh, float scale, __m512 top) {
+    const float *sh = b->s + (int64_t)hh * b->keys * ROWS;
+    const int n = b->n, unmasked = b->unmasked;
+    const __m512i pos = b->pos;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    uint16_t *pt = b->pt;
+    /* word 2r: key 2i's weight for row r (lane r of the low half), word 2r + 1: key 2i + 1's */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 scaled_top = _mm512_mul_ps(top, vscale);
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < b->n32; t += 2) {
+        const __m512 e0 = lane_weight(sh, t, n, unmasked, pos, vscale, scaled_top);
+        const __m512 e1 = lane_weight(sh, t + 1, n, unmasked, pos, vscale, scaled_top);
+        sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0); /* words 0-15: e0, 16-31: e1 */
+        _mm512_storeu_si512(pt + (int64_t)t * ROWS, _mm512_permutexvar_epi16(pairs, both));
+    }
+    return sum;
+}
+
+/* Output rows [r0, r0 + nrows) of query head h from o [D][ROWS] (one head's sums, transposed), each divided by
+   its lane's sum of weights. */
+BF16_INLINE void put_rows(const float *o, __m512 sum, int r0, int nrows, int h, int D, uint16_t *out, int64_t ldo) {
+    float lane_sums[ROWS];
+    _mm512_storeu_ps(lane_sums, sum);
+    const __m512i column = _mm512_setr_epi32(0, ROWS, 2 * ROWS, 3 * ROWS, 4 * ROWS, 5 * ROWS, 6 * ROWS, 7 * ROWS,
+                                             8 * ROWS, 9 * ROWS, 10 * ROWS, 11 * ROWS, 12 * ROWS, 13 * ROWS,
+                                             14 * ROWS, 15 * ROWS);
+    for (int d0 = 0; d0 < D; d0 += 16) {
+        __m512 block[16];
+        if (nrows > 4) { /* block[r]: row r's elements d0 .. d0 + 15 */
+            for (int i = 0; i < 16; i++) block[i] = _mm512_loadu_ps(o + (int64_t)(d0 + i) * ROWS);
+            transpose16(block);
+        } else { /* a few rows (a decode, a chunk's last rows): each row's column gathered */
+            for (int r = 0; r < nrows; r++) block[r] = _mm512_i32gather_ps(column, o + (int64_t)d0 * ROWS + r, 4);
+        }
+        for (int r = 0; r < nrows; r++) {
+            const int64_t at = (int64_t)(r0 + r) * ldo + (int64_t)h * D + d0;
+            store16(out, at, _mm512_div_ps(block[r], _mm512_set1_ps(lane_sums[r])), BF16);
+        }
+    }
+}
+
+AMX_TARGET static void task_amx(const uint16_t *q, int64_t ldq, const uint16_t *k_cache, const int32_t *vt, int words,
+                                const int32_t *table, int first, int r0, int nrows, int g, int H, int KV, int D,
+                                int block_size, float scale, uint16_t *out, int64_t ldo, float *scratch,
+                                int max_keys) {
+    const int G = H / KV, P = D / 2;
+    const int64_t row = (int64_t)KV * D, head = (int64_t)g * D;
+    const Bf16Task b = bf16_task(q, ldq, first, r0, nrows, g, G, D, scratch, max_keys);
     __m512 top[8]; /* G <= 8: each head's max score per lane (every lane sees key 0, so it ends finite) */
     for (int hh = 0; hh < G; hh++) top[hh] = _mm512_set1_ps(-INFINITY);
 
     TILE_LOADS_SEE_STORES(); /* qt */
     /* Pass 1: scores, 16 keys (of one block) a tile; the diagonal's hidden ones -inf. */
-    for (int t0 = 0; t0 < n; t0 += 16) {
+    for (int t0 = 0; t0 < b.n; t0 += 16) {
         const int64_t slot = (int64_t)table[t0 / block_size] * block_size + t0 % block_size;
         const uint16_t *keys16 = k_cache + slot * row + head; /* 16 keys of one block, rows KV * D apart */
-        const int t1 = t0 + 16 < n ? t0 + 16 : n;
+        const int t1 = t0 + 16 < b.n ? t0 + 16 : b.n;
         for (int h0 = 0; h0 < G; h0 += 4) { /* up to four heads' C tiles (0, 3, 4, 5) share each key tile (1) */
             const int heads = G - h0 < 4 ? G - h0 : 4;
-            const int32_t *qh = qt + (int64_t)h0 * P * ROWS;
+            const int32_t *qh = b.qt + (int64_t)h0 * P * ROWS;
             _tile_zero(0);
             if (heads > 1) _tile_zero(3);
             if (heads > 2) _tile_zero(4);
@@ -343,41 +425,24 @@ AMX_TARGET static void task_amx(const uint16_t *q, int64_t ldq, const uint16_t *
                     if (heads > 3) _tile_dpbf16ps(5, 1, 6);
                 }
             }
-            _tile_stored(0, s + ((int64_t)h0 * keys + t0) * ROWS, ROWS * 4);
-            if (heads > 1) _tile_stored(3, s + ((int64_t)(h0 + 1) * keys + t0) * ROWS, ROWS * 4);
-            if (heads > 2) _tile_stored(4, s + ((int64_t)(h0 + 2) * keys + t0) * ROWS, ROWS * 4);
-            if (heads > 3) _tile_stored(5, s + ((int64_t)(h0 + 3) * keys + t0) * ROWS, ROWS * 4);
+            _tile_stored(0, b.s + ((int64_t)h0 * b.keys + t0) * ROWS, ROWS * 4);
+            if (heads > 1) _tile_stored(3, b.s + ((int64_t)(h0 + 1) * b.keys + t0) * ROWS, ROWS * 4);
+            if (heads > 2) _tile_stored(4, b.s + ((int64_t)(h0 + 2) * b.keys + t0) * ROWS, ROWS * 4);
+            if (heads > 3) _tile_stored(5, b.s + ((int64_t)(h0 + 3) * b.keys + t0) * ROWS, ROWS * 4);
         }
         for (int hh = 0; hh < G; hh++) {
-            float *sh = s + ((int64_t)hh * keys + t0) * ROWS;
+            float *sh = b.s + ((int64_t)hh * b.keys + t0) * ROWS;
             __m512 m = top[hh];
             for (int t = t0; t < t1; t++) {
-                __m512 score = _mm512_loadu_ps(sh + (int64_t)(t - t0) * ROWS);
-                if (t >= unmasked) {
-                    score = _mm512_mask_mov_ps(score, _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32(t)),
-                                               _mm512_set1_ps(-INFINITY));
-                    _mm512_storeu_ps(sh + (int64_t)(t - t0) * ROWS, score);
-                }
+                const __m512 score = masked(&b, t, _mm512_loadu_ps(sh + (int64_t)(t - t0) * ROWS));
+                if (t >= b.unmasked) _mm512_storeu_ps(sh + (int64_t)(t - t0) * ROWS, score);
                 m = _mm512_max_ps(m, score);
             }
             top[hh] = m;
         }
     }
-    const __m512 vscale = _mm512_set1_ps(scale);
-    /* word 2r of a B row: key 2i's weight for row r (lane r of the low half), word 2r + 1: key 2i + 1's */
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int hh = 0; hh < G; hh++) {
-        const float *sh = s + (int64_t)hh * keys * ROWS;
-        const __m512 scaled_top = _mm512_mul_ps(top[hh], vscale);
-        __m512 sum = _mm512_setzero_ps();
-        for (int t = 0; t < n32; t += 2) {
-            const __m512 e0 = lane_weight(sh, t, n, unmasked, pos, vscale, scaled_top);
-            const __m512 e1 = lane_weight(sh, t + 1, n, unmasked, pos, vscale, scaled_top);
-            sum = _mm512_add_ps(_mm512_add_ps(sum, e0), e1);
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0); /* words 0-15: e0, 16-31: e1 */
-            _mm512_storeu_si512(pt + (int64_t)t * ROWS, _mm512_permutexvar_epi16(pairs, both));
-        }
+        const __m512 sum = weight_pairs(&b, hh, scale, top[hh]);
         TILE_LOADS_SEE_STORES(); /* pt */
         /* O^T += V^T P^T: up to 64 output elements (four C tiles) at a time, over 32 keys a step. */
         for (int d0 = 0; d0 < D; d0 += 64) {
@@ -387,8 +452,8 @@ AMX_TARGET static void task_amx(const uint16_t *q, int64_t ldq, const uint16_t *
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            for (int t0 = 0; t0 < n32; t0 += 32) {
-                _tile_loadd(5, pt + (int64_t)t0 * ROWS, ROWS * 4);
+            for (int t0 = 0; t0 < b.n32; t0 += 32) {
+                _tile_loadd(5, b.pt + (int64_t)t0 * ROWS, ROWS * 4);
                 _tile_loadd(4, a + t0 / 2, words * 4);
                 _tile_loadd(6, a + 16 * words + t0 / 2, words * 4);
                 _tile_dpbf16ps(0, 4, 5);
@@ -400,46 +465,99 @@ AMX_TARGET static void task_amx(const uint16_t *q, int64_t ldq, const uint16_t *
                     _tile_dpbf16ps(3, 6, 5);
                 }
             }
-            _tile_stored(0, o + (int64_t)d0 * ROWS, ROWS * 4);
-            _tile_stored(1, o + (int64_t)(d0 + 16) * ROWS, ROWS * 4);
+            _tile_stored(0, b.o + (int64_t)d0 * ROWS, ROWS * 4);
+            _tile_stored(1, b.o + (int64_t)(d0 + 16) * ROWS, ROWS * 4);
             if (tiles > 2) {
-                _tile_stored(2, o + (int64_t)(d0 + 32) * ROWS, ROWS * 4);
-                _tile_stored(3, o + (int64_t)(d0 + 48) * ROWS, ROWS * 4);
+                _tile_stored(2, b.o + (int64_t)(d0 + 32) * ROWS, ROWS * 4);
+                _tile_stored(3, b.o + (int64_t)(d0 + 48) * ROWS, ROWS * 4);
             }
         }
-        float lane_sums[ROWS];
-        _mm512_storeu_ps(lane_sums, sum);
-        const __m512i column = _mm512_setr_epi32(0, ROWS, 2 * ROWS, 3 * ROWS, 4 * ROWS, 5 * ROWS, 6 * ROWS, 7 * ROWS,
-                                                 8 * ROWS, 9 * ROWS, 10 * ROWS, 11 * ROWS, 12 * ROWS, 13 * ROWS,
-                                                 14 * ROWS, 15 * ROWS);
+        put_rows(b.o, sum, r0, nrows, g * G + hh, D, out, ldo);
+    }
+}
+
+/*
+ * The AMX task's products on AVX512-BF16 dot products (VDPBF16PS), for CPUs with those units and no AMX (AMD Zen
+ * 4 and 5): the same query pairs, weights rounded to bfloat16 pairs and transposed values, so the same sums up to
+ * their order. Scores: a key's 16 lanes (rows) are D / 2 products of a query pair vector by the key's pair
+ * broadcast straight from the cache, four keys at a time for each head; values: O^T's 16 elements of 16 rows
+ * at a time, each pair of keys one product of their weights' vector by the values' pair broadcast from vt.
+ * Half the float32 task's multiply-adds, and no key or value converted to float32.
+ */
+BF16_TARGET static void task_bf16dot(const uint16_t *q, int64_t ldq, const uint16_t *k_cache, const int32_t *vt,
+                                     int words, const int32_t *table, int first, int r0, int nrows, int g, int H,
+                                     int KV, int D, int block_size, float scale, uint16_t *out, int64_t ldo,
+                                     float *scratch, int max_keys) {
+    const int G = H / KV, P = D / 2;
+    const int64_t row = (int64_t)KV * D, head = (int64_t)g * D;
+    const Bf16Task b = bf16_task(q, ldq, first, r0, nrows, g, G, D, scratch, max_keys);
+    __m512 top[8]; /* G <= 8 */
+    for (int hh = 0; hh < G; hh++) top[hh] = _mm512_set1_ps(-INFINITY);
+
+    /* Pass 1: scores, four keys at a time per head (keys past n repeat the last; their scores are not stored). */
+    for (int t0 = 0; t0 < b.n; t0 += 4) {
+        const int32_t *k32[4];
+        for (int i = 0; i < 4; i++) {
+            const int t = t0 + i < b.n ? t0 + i : b.n - 1;
+            k32[i] = (const int32_t *)(k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row +
+                                       head);
+        }
+        for (int hh = 0; hh < G; hh++) {
+            const int32_t *qh = b.qt + (int64_t)hh * P * ROWS;
+            __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+            for (int p = 0; p < P; p++) {
+                const __m512bh qp = (__m512bh)_mm512_loadu_si512(qh + (int64_t)p * ROWS);
+                for (int i = 0; i < 4; i++)
+                    acc[i] = _mm512_dpbf16_ps(acc[i], qp, (__m512bh)_mm512_set1_epi32(k32[i][p]));
+            }
+            float *sh = b.s + (int64_t)hh * b.keys * ROWS;
+            __m512 m = top[hh];
+            for (int i = 0; i < 4 && t0 + i < b.n; i++) {
+                const __m512 score = masked(&b, t0 + i, acc[i]);
+                _mm512_storeu_ps(sh + (int64_t)(t0 + i) * ROWS, score);
+                m = _mm512_max_ps(m, score);
+            }
+            top[hh] = m;
+        }
+    }
+    for (int hh = 0; hh < G; hh++) {
+        const __m512 sum = weight_pairs(&b, hh, scale, top[hh]);
+        /* O^T += V^T P^T: 16 output elements at a time, over the pairs of keys */
         for (int d0 = 0; d0 < D; d0 += 16) {
-            __m512 block[16];
-            if (nrows > 4) { /* block[r]: row r's elements d0 .. d0 + 15 */
-                for (int i = 0; i < 16; i++) block[i] = _mm512_loadu_ps(o + (int64_t)(d0 + i) * ROWS);
-                transpose16(block);
-            } else { /* a few rows (a decode, a chunk's last rows): each row's column gathered */
-                for (int r = 0; r < nrows; r++) block[r] = _mm512_i32gather_ps(column, o + (int64_t)d0 * ROWS + r, 4);
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+            for (int i = 0; i < b.n32 / 2; i++) {
+                const __m512bh w = (__m512bh)_mm512_loadu_si512(b.pt + (int64_t)2 * i * ROWS);
+                for (int j = 0; j < 16; j++) {
+                    const __m512bh v = (__m512bh)_mm512_set1_epi32(vt[(int64_t)(d0 + j) * words + i]);
+                    acc[j] = _mm512_dpbf16_ps(acc[j], w, v);
+                }
             }
-            for (int r = 0; r < nrows; r++) {
-                const int64_t at = (int64_t)(r0 + r) * ldo + (int64_t)(g * G + hh) * D + d0;
-                store16(out, at, _mm512_div_ps(block[r], _mm512_set1_ps(lane_sums[r])), BF16);
-            }
+            for (int j = 0; j < 16; j++) _mm512_storeu_ps(b.o + (int64_t)(d0 + j) * ROWS, acc[j]);
         }
+        put_rows(b.o, sum, r0, nrows, g * G + hh, D, out, ldo);
     }
 }
 #endif
 
-enum { PATH_FLOAT32 = 0, PATH_AMX = 1 };
+enum { PATH_FLOAT32 = 0, PATH_AMX = 1, PATH_BF16DOT = 2 };
 static int path = -1; /* -1: not decided yet */
 
-/* The fastest path this CPU runs for bfloat16 caches, at most want (tests force the float32 one); returns it. */
+static int bf16dot_units(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+}
+
+/* The path for bfloat16 caches: want where this CPU runs it (tests run each), else the fastest it runs (AMX tiles,
+   then AVX512-BF16 dot products, then float32 FMAs); returns the path taken. */
 int kvp_select_path(int want) {
-    int best = PATH_FLOAT32;
+    int amx = 0;
 #ifdef HAVE_AMX
-    best = amx_granted() ? PATH_AMX : PATH_FLOAT32;
+    amx = amx_granted();
 #endif
-    path = want < best ? PATH_FLOAT32 : best;
-    return path;
+    const int runs[] = {1, amx, bf16dot_units()};
+    if (want >= 0 && want <= PATH_BF16DOT && runs[want]) return path = want;
+    return path = amx ? PATH_AMX : runs[PATH_BF16DOT] ? PATH_BF16DOT : PATH_FLOAT32;
 }
 
 /*
@@ -462,7 +580,7 @@ int kvp_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const
         num_tasks += KV * ((query_start[b + 1] - query_start[b] + ROWS - 1) / ROWS);
     }
     if (path < 0) kvp_select_path(PATH_AMX);
-    const int tiles = path == PATH_AMX && dt == BF16 && D % 32 == 0 && block_size % 16 == 0;
+    const int tiles = (path == PATH_AMX || path == PATH_BF16DOT) && dt == BF16 && D % 32 == 0 && block_size % 16 == 0;
     /* On tiles, a sequence of more than one task per KV head has its values transposed once for them all: in vt
        from vt_at[b], by units of (sequence, KV head, 32 keys) that run before the tasks. */
     int64_t *vt_at = malloc(sizeof(int64_t) * (B + 1));
@@ -504,7 +622,7 @@ int kvp_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const
             failed = 1;
         }
 #ifdef HAVE_AMX
-        if (tiles) amx_configure();
+        if (tiles && path == PATH_AMX) amx_configure();
 #pragma omp for schedule(dynamic, 4)
         for (int u = 0; u < num_units; u++) { /* every task of a sequence reads all of its transposed values */
             const int b = units[3 * u], g = units[3 * u + 1], j = units[3 * u + 2], words = vt_words(seq_lens[b]);
@@ -529,9 +647,10 @@ int kvp_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const
                     for (int j = 0; j < (seq_lens[b] + 31) / 32; j++)
                         values_transposed(v_cache, block_tables + b * ldt, seq_lens[b], j, block_size,
                                           (int64_t)KV * D, (int64_t)g * D, D, words, values);
-                task_amx((const uint16_t *)q + base * ldq, ldq, k_cache, values, words,
-                         block_tables + b * ldt, seq_lens[b] - q_len, r0, nrows, g, H, KV, D, block_size, scale,
-                         (uint16_t *)out + base * ldo, ldo, scratch, max_keys);
+                (path == PATH_AMX ? task_amx : task_bf16dot)(
+                    (const uint16_t *)q + base * ldq, ldq, k_cache, values, words, block_tables + b * ldt,
+                    seq_lens[b] - q_len, r0, nrows, g, H, KV, D, block_size, scale, (uint16_t *)out + base * ldo, ldo,
+                    scratch, max_keys);
                 continue;
             }
 #endif
@@ -540,7 +659,7 @@ int kvp_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const
                  dt, scratch, max_keys);
         }
 #ifdef HAVE_AMX
-        if (tiles) amx_release();
+        if (tiles && path == PATH_AMX) amx_release();
 #endif
         free(scratch);
     }

@@ -39,6 +39,7 @@ from services.worker.attention.base import AttentionMetadata
 from services.worker.cpu_kernels import decode_step
 from services.worker.cpu_kernels.library import (
     DTYPE_CODES,
+    PREFILL_PATHS,
     NativeKernelsUnavailable,
     load_prefill,
     load_quant,
@@ -355,5 +356,8 @@ def _prefill_kernel(head_dim: int, group: int) -> tuple[ctypes.CDLL | None, str]
         lib = load_prefill()
     except NativeKernelsUnavailable as exc:
         return None, f"SDPA ({exc})"
-    tiles = head_dim % 32 == 0 and lib.kvp_select_path(1) == 1  # the fastest path, which it uses from now on
-    return lib, "native (AVX-512; AMX tiles for bfloat16 caches)" if tiles else "native (AVX-512)"
+    fastest = PREFILL_PATHS[lib.kvp_select_path(PREFILL_PATHS.index("amx"))]  # which it uses from now on
+    if head_dim % 32 or fastest == "float32":
+        return lib, "native (AVX-512)"
+    units = "AMX tiles" if fastest == "amx" else "AVX512-BF16 dot products"
+    return lib, f"native (AVX-512; {units} for bfloat16 caches)"
