@@ -7,8 +7,8 @@ oneDNN's GEMM on weights reordered for it (``onednn_gemm``) returns a fresh tens
 the step's buffers, residual adds included; from C the one-call decode step takes it too. With AMX a decode step
 of tens of rows is bound by reading the weights, where oneDNN reads them at ~60% of the memory bandwidth at 64
 rows; with AVX512-BF16 alone it is bound by the multiply-adds, where the dot-product kernel keeps 24 sums in
-registers against one broadcast of x per row and four weight vectors (~970 GFLOPS on two Zen 5 cores at 64 rows,
-oneDNN's 730-940 on the same shapes). Products of more than ``MAX_ROWS`` rows (prefill chunks) keep oneDNN's
+registers against one broadcast of x per row and four weight vectors (930-980 GFLOPS on two Zen 5 cores at 64 rows,
+oneDNN's 710-940 on the same shapes). Products of more than ``MAX_ROWS`` rows (prefill chunks) keep oneDNN's
 GEMM, whose blocking is as fast or faster there. So a weight is held twice more (tiles and oneDNN's copy).
 ``benchmarks/worker_bench.py --dtype bfloat16`` times the decode steps.
 

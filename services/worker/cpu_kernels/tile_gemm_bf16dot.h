@@ -15,8 +15,8 @@
  * groups; two groups' weights (K * 128 bytes) stay in L2 while every block of rows passes, the first pass
  * reading them from memory. The next two groups are asked for in L2 meanwhile, spread over the passes.
  *
- * Sums: float32 over K in order, a pair at a time (VDPBF16PS adds the two exact products, then adds them to the
- * lane, flushing subnormals); then as the AMX kernel: the bias added, rounded to bfloat16, added to y where
+ * Sums: float32 over K in order, a pair at a time (VDPBF16PS adds the pair's odd product to the lane, then its
+ * even one, each exact before a float32 rounding, subnormals flushed); then as the AMX kernel: the bias added, rounded to bfloat16, added to y where
  * accumulating (tile_put). The AMX tiles add 16 pairs a step in an order of their own, so the two differ in
  * the last place now and then, as both do from oneDNN.
  */

@@ -34,8 +34,8 @@ BF16_PAIR_ROWS = 4
 # 1.06x the tiles at 1 row, 0.92x at 2, 0.79x at 3, 0.8x at 4: the tiles multiply 16 rows for the price of one.
 BF16_TILE_PAIR_ROWS = 1
 # Against the tile GEMM's AVX512-BF16 kernel (no AMX): SmolLM2 decode steps (100-token contexts), 2 threads, Zen 5,
-# alternated in one process: 0.73-0.75x the tiles at 1 row, 0.96x at 2. The tiles stream two groups of 32
-# columns at once where the GEMV reads four rows of K, so the tiles take every row count there.
+# alternated in one process: 0.73-0.75x the tiles' steps/s at 1 row (the tiles stream two groups of 32 columns at
+# once where the GEMV reads four rows of K), so the tiles take every row count there.
 BF16_DOT_TILE_PAIR_ROWS = 0
 
 
