@@ -1,9 +1,9 @@
-"""Batches of rows on a packed weight's bfloat16 copy (``matmul.with_amx_copy``), the AMX tile GEMM of
-``cpu_kernels/tile_gemm.py``: the copy holds the dequantized weight in that GEMM's layout, so the products equal
-``TileGemm``'s on the dequantized bfloat16 weight bit for bit (and a float64 reference within bfloat16's
-rounding) for q8_0 and K-quant weights, odd row counts, more rows than a decode step, bias, accumulation into
-strided rows; batches below ``AMX_ROWS`` and float32 rows keep the integer kernel; shapes outside the tile
-layout, float32 models and CPUs without AMX-BF16 keep no copy."""
+"""Batches of rows on a packed weight's bfloat16 copy (``matmul.with_amx_copy``), the tile GEMM of
+``cpu_kernels/tile_gemm.py`` (AMX tiles, or AVX512-BF16 dot products without AMX): the copy holds the dequantized
+weight in that GEMM's layout, so the products equal ``TileGemm``'s on the dequantized bfloat16 weight bit for bit (and
+a float64 reference within bfloat16's rounding) for q8_0 and K-quant weights, odd row counts, more rows than a decode
+step, bias, accumulation into strided rows; batches below ``AMX_ROWS`` and float32 rows keep the integer kernel;
+shapes outside the tile layout, float32 models and CPUs without a tile kernel keep no copy."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ BF16 = {"atol": 3e-2, "rtol": 8e-3}  # one rounding of the output to bfloat16
 @pytest.fixture
 def amx():
     if matmul.AMX_ROWS is None or not tile_gemm.available():
-        pytest.skip("this CPU has no AMX-BF16")
+        pytest.skip("this CPU runs no tile kernel (AMX-BF16 or AVX512-BF16)")
 
 
 @pytest.mark.parametrize("fmt,k", [("q8_0", 640), ("q8_0", 96), ("q4_k", 512), ("q6_k", 256)])

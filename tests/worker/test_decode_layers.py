@@ -103,7 +103,7 @@ def test_bfloat16_on_each_gemv_path(tmp_path, path, num_requests):
         assert_one_call_equals_loop(lambda: float_model(tmp_path, "bfloat16"), num_requests)
 
 
-@pytest.mark.skipif(not tile_gemm.available(), reason="no AMX-BF16 tiles here")
+@pytest.mark.skipif(not tile_gemm.available(), reason="no tile kernel here (AMX-BF16 or AVX512-BF16)")
 def test_bfloat16_on_amx_tiles(tmp_path):
     """Above the GEMV's rows the layers' products take the AMX tile GEMM, from C as from Python (6 rows, padded to a
     block of 16)."""
@@ -140,7 +140,9 @@ def test_gguf_k_quants_batch_one(tmp_path, two_threads):
     assert_one_call_equals_loop(lambda: gguf_model(tmp_path), 1)
 
 
-@pytest.mark.skipif(matmul.AMX_ROWS is None or not tile_gemm.available(), reason="no AMX-BF16 tiles here")
+@pytest.mark.skipif(
+    matmul.AMX_ROWS is None or not tile_gemm.available(), reason="no tile kernel here (AMX-BF16 or AVX512-BF16)"
+)
 @pytest.mark.parametrize("num_requests", [3, 9])
 def test_gguf_batches_in_bfloat16(tmp_path, num_requests):
     """Steps of several rows on GGUF weights in one call: below AMX_ROWS the quantized kernel on every row, from

@@ -18,9 +18,10 @@ dequantized per call.
 - ``quant_kernels.c`` does y = x W^T with integer dot products over the packed bytes in their tiled
   layout (``formats.tile``: models tile their weights once at load, ``kernel_layout``; an untiled
   weight is tiled per call here), x quantized per block of 32 as ggml does.
-- On a CPU with AMX-BF16, weights that bfloat16 models give a bfloat16 copy in the AMX tile GEMM's layout
-  (``with_amx_copy``, ``cpu_kernels/tile_gemm.py``) take that GEMM from ``AMX_ROWS`` rows, at any row count
-  above: the integer kernel is compute-bound there and the tiles are several times faster. Its numerics are
+- On a CPU with AMX-BF16 or AVX512-BF16, weights that bfloat16 models give a bfloat16 copy in the tile GEMM's
+  layout (``with_amx_copy``, named for the AMX tiles it was first made for; ``cpu_kernels/tile_gemm.py`` multiplies
+  it on either) take that GEMM from ``AMX_ROWS`` rows, at any row count above: the integer kernel is
+  compute-bound there and the tiles are several times faster. Its numerics are
   the bfloat16 weights' (float32 sums over K in order, rounded to bfloat16 as torch rounds).
 - Steps of at least ``DEQUANTIZE_ROWS`` rows (long prefill chunks) are compute-bound: there a
   weight the int8 GEMM does not take is dequantized to float32 for the call (cheap next to the
@@ -59,8 +60,10 @@ DEQUANTIZE_ROWS = 100
 # for the price of one. SmolLM2 Q4_1 decode steps, bfloat16, AMX Xeon, 2 threads (benchmarks/worker_bench.py's
 # kvgrid_decode, this limit set for either kernel in turn, medians of 3 rounds), ms: integer 8.7 / 10.8 / 12.6 /
 # 14.5 / 15.3 at 4 / 5 / 6 / 7 / 8 rows, tiles 13.2 to 13.9 at all of these; at 64 rows the integer kernel takes
-# 2.0x the tiles.
-AMX_ROWS = 7 if detect().amx_bf16 else None
+# 2.0x the tiles. Without AMX, the copy on the tile GEMM's AVX512-BF16 kernel: SmolLM2 Q4_1 decode steps (100-token
+# contexts, Zen 5, 2 threads, alternated in one process), the integer kernel's time over the tiles': 0.76 at 2 rows,
+# 0.94 at 3, 1.03 at 4, 1.25 at 5, 1.38 at 6, 1.32 at 10, 1.94 at 16, 2.0 at 64.
+AMX_ROWS = 7 if detect().amx_bf16 else 5 if detect().bf16_units else None
 
 # Rows from which int8 products take the int8 GEMM (None: never), set once per process from the CPU
 # (``CpuFeatures.int8_gemm_rows``); tests switch it to run either path on any CPU.
@@ -80,16 +83,16 @@ def kernel_layout(packed: PackedWeight | PackedParts) -> PackedWeight | PackedPa
 
 
 def with_amx_copy(packed: PackedWeight | PackedParts, chunk: int = 16384) -> PackedWeight | PackedParts:
-    """``packed`` with its values also as bfloat16 in the AMX tile GEMM's layout (``tile_gemm.to_tiles``), where
-    this CPU has AMX-BF16, the native kernels build and N and K are multiples of 32; otherwise as it is (parts:
-    each part's). The copy takes 2 bytes a weight, beside the packed bytes that single rows keep reading
-    (``quant.install.add_amx_copies``)."""
+    """``packed`` with its values also as bfloat16 in the tile GEMM's layout (``tile_gemm.to_tiles``), where this CPU
+    runs a tile kernel (AMX-BF16 or AVX512-BF16), the native kernels build and N and K are multiples of 32; otherwise
+    as it is (parts: each part's). The copy takes 2 bytes a weight, beside the packed bytes that single rows keep
+    reading (``quant.install.add_amx_copies``)."""
     if isinstance(packed, PackedParts):
         return PackedParts([with_amx_copy(p, chunk) for p in packed.parts])
     n, k = packed.shape
     if AMX_ROWS is None or n % tile_gemm.ALIGN or k % tile_gemm.ALIGN or _native() is None:
         return packed
-    if not tile_gemm.available():  # (CPUID says AMX, Linux may still refuse the tiles)
+    if not tile_gemm.available():  # (CPUID says AMX or AVX512-BF16, Linux may still refuse AMX's tiles)
         return packed
     tiles = torch.empty(n // 32, k // 32, 16, 32, 2, dtype=torch.bfloat16)
     # float32 a chunk of rows at a time, not the whole matrix (chunk: a multiple of 32, so whole groups of tiles)
