@@ -212,9 +212,7 @@ static int linear_path = -1; /* -1: not decided yet */
 
 /* The fastest bfloat16 GEMV this CPU runs, at most want (tests force the other). */
 int kvg_select_linear_path(int want) {
-    __builtin_cpu_init();
-    const int best = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") ? LINEAR_AVX512_BF16
-                                                                                               : LINEAR_AVX2;
+    const int best = has_bf16_dot() ? LINEAR_AVX512_BF16 : LINEAR_AVX2;
     linear_path = want < best ? (want < 0 ? LINEAR_AVX2 : want) : best;
     return linear_path;
 }
@@ -804,8 +802,8 @@ static int attention_path = -1; /* -1: not decided yet */
 int kvg_select_attention_path(int want) {
     __builtin_cpu_init();
     const int best = !__builtin_cpu_supports("avx512f") ? ATTENTION_AVX2
-                     : __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") ? ATTENTION_AVX512_BF16
-                                                                                               : ATTENTION_AVX512;
+                     : has_bf16_dot()                    ? ATTENTION_AVX512_BF16
+                                                         : ATTENTION_AVX512;
     attention_path = want < best ? (want < 0 ? ATTENTION_AVX2 : want) : best;
     return attention_path;
 }

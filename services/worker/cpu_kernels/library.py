@@ -48,7 +48,7 @@ DTYPE_CODES = {"float32": 0, "bfloat16": 1}  # see scalar.h
 ATTENTION_PATHS = ("avx2", "avx512", "avx512-bf16")
 # The bfloat16 GEMV's paths, slowest first (kvg_select_linear_path's codes): widened to float32, or bfloat16 pairs.
 LINEAR_PATHS = ("avx2", "avx512-bf16")
-# Kernels of the bfloat16 tile GEMM (tile_gemm.py), by kvg_tile_available's number: none on this CPU, AMX tiles
+# Kernels of the bfloat16 tile GEMM (tile_gemm.py), by kvg_tile_path's number: none on this CPU, AMX tiles
 # (amx_gemm.h), or the same layout on AVX512-BF16 dot products (tile_gemm_bf16dot.h).
 TILE_PATHS = (None, "amx", "avx512-bf16")
 # Prefill attention's paths for bfloat16 caches (kvp_select_path's codes, prefill_attention.c).
@@ -79,7 +79,7 @@ _SIGNATURES = {
     ),
     # x, ldx, w (tiles), bias, y, ldy, M, N, K, accumulate -> 1, or 0 where no tile kernel runs (tile_gemm_bf16dot.h)
     "kvg_tile_linear": (c_void_p, c_int64, c_void_p, c_void_p, c_void_p, c_int64, c_int, c_int64, c_int64, c_int),
-    "kvg_tile_available": (),  # -> the tile kernel in use (index of TILE_PATHS)
+    "kvg_tile_path": (),  # -> the tile kernel in use (index of TILE_PATHS)
     "kvg_select_tile_path": (c_int,),  # the one asked for where it runs, else the best -> the one in use
     # x, ldx, M, N, out (int64), dtype
     "kvg_argmax_rows": (c_void_p, c_int64, c_int, c_int64, c_void_p, c_int),
@@ -203,7 +203,7 @@ def load() -> ctypes.CDLL:
         "kvg_select_linear_path",
         "kvg_linear_path",
         "kvg_tile_linear",
-        "kvg_tile_available",
+        "kvg_tile_path",
         "kvg_select_tile_path",
         "kvg_exp16",
     ):
@@ -237,7 +237,7 @@ def select_linear_path(name: str) -> str:
 
 def tile_path() -> str | None:
     """The bfloat16 tile GEMM's kernel in use (of TILE_PATHS; None: this CPU runs neither)."""
-    return TILE_PATHS[load().kvg_tile_available()]
+    return TILE_PATHS[load().kvg_tile_path()]
 
 
 def select_tile_path(name: str) -> str | None:

@@ -543,11 +543,6 @@ BF16_TARGET static void task_bf16dot(const uint16_t *q, int64_t ldq, const uint1
 enum { PATH_FLOAT32 = 0, PATH_AMX = 1, PATH_BF16DOT = 2 };
 static int path = -1; /* -1: not decided yet */
 
-static int bf16dot_units(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-}
-
 /* The path for bfloat16 caches: want where this CPU runs it (tests run each), else the fastest it runs (AMX tiles,
    then AVX512-BF16 dot products, then float32 FMAs); returns the path taken. */
 int kvp_select_path(int want) {
@@ -555,7 +550,7 @@ int kvp_select_path(int want) {
 #ifdef HAVE_AMX
     amx = amx_granted();
 #endif
-    const int runs[] = {1, amx, bf16dot_units()};
+    const int runs[] = {1, amx, has_bf16_dot()};
     if (want >= 0 && want <= PATH_BF16DOT && runs[want]) return path = want;
     return path = amx ? PATH_AMX : runs[PATH_BF16DOT] ? PATH_BF16DOT : PATH_FLOAT32;
 }
@@ -580,15 +575,16 @@ int kvp_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const
         num_tasks += KV * ((query_start[b + 1] - query_start[b] + ROWS - 1) / ROWS);
     }
     if (path < 0) kvp_select_path(PATH_AMX);
-    const int tiles = (path == PATH_AMX || path == PATH_BF16DOT) && dt == BF16 && D % 32 == 0 && block_size % 16 == 0;
-    /* On tiles, a sequence of more than one task per KV head has its values transposed once for them all: in vt
+    /* bfloat16 pairs (AMX tiles or dot products: the float32 task otherwise) */
+    const int pairs = (path == PATH_AMX || path == PATH_BF16DOT) && dt == BF16 && D % 32 == 0 && block_size % 16 == 0;
+    /* On pairs, a sequence of more than one task per KV head has its values transposed once for them all: in vt
        from vt_at[b], by units of (sequence, KV head, 32 keys) that run before the tasks. */
     int64_t *vt_at = malloc(sizeof(int64_t) * (B + 1));
     if (!vt_at) return -1;
     int num_units = 0;
     vt_at[0] = 0;
     for (int b = 0; b < B; b++) {
-        const int shared = tiles && shares_values(query_start, b);
+        const int shared = pairs && shares_values(query_start, b);
         vt_at[b + 1] = vt_at[b] + (shared ? (int64_t)KV * D * vt_words(seq_lens[b]) : 0);
         num_units += shared ? KV * ((seq_lens[b] + 31) / 32) : 0;
     }
@@ -610,7 +606,7 @@ int kvp_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const
     }
     int64_t scratch_floats = (int64_t)G * D * ROWS * 2 + (int64_t)G * max_keys * ROWS + (int64_t)TILE * D;
 #ifdef HAVE_AMX
-    if (tiles) scratch_floats = amx_scratch_floats(G, D, max_keys);
+    if (pairs) scratch_floats = amx_scratch_floats(G, D, max_keys);
 #endif
     int failed = 0;
     const int es = dt == BF16 ? 2 : 4;
@@ -622,7 +618,7 @@ int kvp_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const
             failed = 1;
         }
 #ifdef HAVE_AMX
-        if (tiles && path == PATH_AMX) amx_configure();
+        if (pairs && path == PATH_AMX) amx_configure();
 #pragma omp for schedule(dynamic, 4)
         for (int u = 0; u < num_units; u++) { /* every task of a sequence reads all of its transposed values */
             const int b = units[3 * u], g = units[3 * u + 1], j = units[3 * u + 2], words = vt_words(seq_lens[b]);
@@ -638,7 +634,7 @@ int kvp_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const
             const int q_len = query_start[b + 1] - query_start[b];
             const int nrows = q_len - r0 < ROWS ? q_len - r0 : ROWS;
 #ifdef HAVE_AMX
-            if (tiles) {
+            if (pairs) {
                 const int words = vt_words(seq_lens[b]);
                 int32_t *values = (int32_t *)(scratch + scratch_floats - (int64_t)D * vt_words(max_keys));
                 if (vt_at[b + 1] > vt_at[b])
@@ -659,7 +655,7 @@ int kvp_prefill_attention(const void *q, int64_t ldq, const void *k_cache, const
                  dt, scratch, max_keys);
         }
 #ifdef HAVE_AMX
-        if (tiles && path == PATH_AMX) amx_release();
+        if (pairs && path == PATH_AMX) amx_release();
 #endif
         free(scratch);
     }

@@ -16,9 +16,9 @@
  * reading them from memory. The next two groups are asked for in L2 meanwhile, spread over the passes.
  *
  * Sums: float32 over K in order, a pair at a time (VDPBF16PS adds the pair's odd product to the lane, then its
- * even one, each exact before a float32 rounding, subnormals flushed); then as the AMX kernel: the bias added, rounded to bfloat16, added to y where
- * accumulating (tile_put). The AMX tiles add 16 pairs a step in an order of their own, so the two differ in
- * the last place now and then, as both do from oneDNN.
+ * even one, each exact before a float32 rounding, subnormals flushed); then as the AMX kernel: the bias added,
+ * rounded to bfloat16, added to y where accumulating (tile_put). The AMX tiles add 16 pairs a step in an order
+ * of their own, so the two differ in the last place now and then, as both do from oneDNN.
  */
 
 #define PAIR_ROWS 6 /* rows a block: 6 x 4 sums, 4 weight vectors, 1 broadcast: 29 of the 32 registers */
@@ -92,11 +92,6 @@ __attribute__((target(BF16DOT_TARGET))) static void tile_linear_bf16dot(const ui
     }
 }
 
-static int bf16dot_units(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
-}
-
 enum { TILES_NONE = 0, TILES_AMX = 1, TILES_BF16DOT = 2 };
 static int tile_path = -1; /* -1: not decided yet */
 
@@ -104,12 +99,12 @@ static int tile_path = -1; /* -1: not decided yet */
    runs (AMX where granted); returns the one taken (tests run both where both run). */
 int kvg_select_tile_path(int want) {
     if (want == TILES_AMX && amx_granted()) return tile_path = TILES_AMX;
-    if (want == TILES_BF16DOT && bf16dot_units()) return tile_path = TILES_BF16DOT;
-    return tile_path = amx_granted() ? TILES_AMX : bf16dot_units() ? TILES_BF16DOT : TILES_NONE;
+    if (want == TILES_BF16DOT && has_bf16_dot()) return tile_path = TILES_BF16DOT;
+    return tile_path = amx_granted() ? TILES_AMX : has_bf16_dot() ? TILES_BF16DOT : TILES_NONE;
 }
 
 /* the tile GEMM's kernel here: TILES_AMX, TILES_BF16DOT or TILES_NONE (not on this CPU) */
-int kvg_tile_available(void) { return tile_path < 0 ? kvg_select_tile_path(TILES_AMX) : tile_path; }
+int kvg_tile_path(void) { return tile_path < 0 ? kvg_select_tile_path(TILES_AMX) : tile_path; }
 
 /*
  * y[m, :] (+)= x[m, :] W^T + bias for m < M on the tile layout (amx_gemm.h): AMX tiles where granted, else
@@ -118,7 +113,7 @@ int kvg_tile_available(void) { return tile_path < 0 ? kvg_select_tile_path(TILES
  */
 int kvg_tile_linear(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy, int M,
                     int64_t N, int64_t K, int accumulate) {
-    const int path = kvg_tile_available();
+    const int path = kvg_tile_path();
     if (path == TILES_AMX) return tile_linear_amx(x, ldx, w, bias, y, ldy, M, N, K, accumulate);
     if (path != TILES_BF16DOT || N % 32 || K % 32 || M <= 0 || ldx % 2) return 0;
     tile_linear_bf16dot(x, ldx, w, bias, y, ldy, M, N, K, accumulate);

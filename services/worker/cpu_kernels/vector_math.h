@@ -15,6 +15,12 @@
 #define AVX512_TARGET "avx2,fma,avx512f"
 #define AVX512_INLINE __attribute__((target(AVX512_TARGET), always_inline)) static inline
 
+/* Whether this CPU multiplies bfloat16 pairs (AVX512-BF16, with the AVX512-BW moves every bfloat16 kernel uses). */
+static inline int has_bf16_dot(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+}
+
 /*
  * exp of eight floats, within 2 ulp of expf for the softmax's x <= 0 (x is clamped to [-87.3, 88.3]:
  * below, the result is ~1e-38 rather than 0, which no sum of probabilities can tell apart).
