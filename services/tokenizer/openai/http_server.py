@@ -87,7 +87,10 @@ class HttpServer:
         """Bind (port 0 picks a free one) and serve; returns the bound port. Raises OSError when taken, unless
         ``reuse_port`` and every process on it binds with SO_REUSEPORT (then they share its connections)."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto says TCP, and
+        # accepted sockets inherit the listener's. With Nagle on, a response's body waits behind its unacknowledged
+        # head for the client's delayed ACK: ~40 ms on every response after a connection's first.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
