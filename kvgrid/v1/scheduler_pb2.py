@@ -26,7 +26,7 @@ from kvgrid.v1 import common_pb2 as kvgrid_dot_v1_dot_common__pb2
 from kvgrid.v1 import worker_pb2 as kvgrid_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvgrid/v1/scheduler.proto\x12\tkvgrid.v1\x1a\x16kvgrid/v1/common.proto\x1a\x16kvgrid/v1/worker.proto\"\xf4\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x41\n\rtrace_context\x18\x05 \x03(\x0b\x32*.kvgrid.v1.SubmitRequest.TraceContextEntry\x12)\n\x07pooling\x18\x06 \x01(\x0b\x32\x18.kvgrid.v1.PoolingParams\x12-\n\tmm_inputs\x18< \x03(\x0b\x32\x1a.kvgrid.v1.MultiModalInput\x12$\n\x04lora\x18( \x01(\x0b\x32\x16.kvgrid.v1.LoraRequest\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\x0f\x46rontendMessage\x12)\n\x07submits\x18\x01 \x03(\x0b\x32\x18.kvgrid.v1.SubmitRequest\x12\x0e\n\x06\x61\x62orts\x18\x02 \x03(\t\"\x87\x01\n\x10SchedulerMessage\x12\'\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x17.kvgrid.v1.RequestDelta\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.kvgrid.v1.GroupLoad\x12&\n\tkv_events\x18\x03 \x01(\x0b\x32\x13.kvgrid.v1.KvEvents\"d\n\tGroupLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x15\n\rlora_adapters\x18( \x03(\t\"P\n\x08KvEvents\x12\x0f\n\x07\x63leared\x18\x01 \x01(\x08\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x0e\n\x06stored\x18\x03 \x03(\x12\x12\x0f\n\x07removed\x18\x04 \x03(\x12\"\xb7\x02\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kvgrid.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.kvgrid.v1.TokenLogprob\x12\x12\n\nerror_code\x18\x07 \x01(\x05\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.kvgrid.v1.PromptLogprob\x12\x11\n\tembedding\x18\n \x03(\x02\"\xfa\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.kvgrid.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvgrid.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.kvgrid.v1.PromptLogprob\x12\x11\n\tembedding\x18\x07 \x03(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xca\x02\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x18\n\x10num_blocks_total\x18\x03 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x04 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x11\n\tnum_steps\x18\t \x01(\x04\x12\x14\n\x0cworker_ready\x18\n \x01(\x08\x12\x1e\n\x16num_cached_free_blocks\x18\x0b \x01(\r\x12(\n\x08kv_tiers\x18\x0c \x03(\x0b\x32\x16.kvgrid.v1.KvTierStats\"\xa1\x01\n\x0bKvTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x15\n\rlookup_tokens\x18\x02 \x01(\x04\x12\x12\n\nhit_tokens\x18\x03 \x01(\x04\x12\x13\n\x0bsaved_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cloaded_bytes\x18\x05 \x01(\x04\x12\x15\n\rfailed_tokens\x18\x06 \x01(\x04\x12\x17\n\x0flookup_failures\x18\x07 \x01(\x04\"\x16\n\x14GetWorkerInfoRequest2\xe3\x02\n\tScheduler\x12\x46\n\x07\x43onnect\x12\x1a.kvgrid.v1.FrontendMessage\x1a\x1b.kvgrid.v1.SchedulerMessage(\x01\x30\x01\x12?\n\x06Submit\x12\x18.kvgrid.v1.SubmitRequest\x1a\x19.kvgrid.v1.SubmitResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvgrid.v1.AbortRequest\x1a\x18.kvgrid.v1.AbortResponse\x12\x41\n\x08GetStats\x12\x1a.kvgrid.v1.GetStatsRequest\x1a\x19.kvgrid.v1.SchedulerStats\x12N\n\rGetWorkerInfo\x12\x1f.kvgrid.v1.GetWorkerInfoRequest\x1a\x1c.kvgrid.v1.HandshakeResponseB\x97\x01\n\x0cio.kvgrid.v1B\x0eSchedulerProtoP\x01Z2github.com/kvgrid/kvgrid/gen/go/kvgrid/v1;kvgridv1\xa2\x02\x03KVG\xaa\x02\tKvgrid.V1\xca\x02\tKvgrid\\V1\xe2\x02\x15Kvgrid\\V1\\GPBMetadata\xea\x02\nKvgrid::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kvgrid/v1/scheduler.proto\x12\tkvgrid.v1\x1a\x16kvgrid/v1/common.proto\x1a\x16kvgrid/v1/worker.proto\"\x8f\x03\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.kvgrid.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x41\n\rtrace_context\x18\x05 \x03(\x0b\x32*.kvgrid.v1.SubmitRequest.TraceContextEntry\x12)\n\x07pooling\x18\x06 \x01(\x0b\x32\x18.kvgrid.v1.PoolingParams\x12-\n\tmm_inputs\x18< \x03(\x0b\x32\x1a.kvgrid.v1.MultiModalInput\x12$\n\x04lora\x18( \x01(\x0b\x32\x16.kvgrid.v1.LoraRequest\x12\x19\n\x11\x64\x65liver_at_finish\x18\x07 \x01(\x08\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\x0f\x46rontendMessage\x12)\n\x07submits\x18\x01 \x03(\x0b\x32\x18.kvgrid.v1.SubmitRequest\x12\x0e\n\x06\x61\x62orts\x18\x02 \x03(\t\"\x87\x01\n\x10SchedulerMessage\x12\'\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x17.kvgrid.v1.RequestDelta\x12\"\n\x04load\x18\x02 \x01(\x0b\x32\x14.kvgrid.v1.GroupLoad\x12&\n\tkv_events\x18\x03 \x01(\x0b\x32\x13.kvgrid.v1.KvEvents\"d\n\tGroupLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x15\n\rlora_adapters\x18( \x03(\t\"P\n\x08KvEvents\x12\x0f\n\x07\x63leared\x18\x01 \x01(\x08\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x0e\n\x06stored\x18\x03 \x03(\x12\x12\x0f\n\x07removed\x18\x04 \x03(\x12\"\xb7\x02\n\x0cRequestDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.kvgrid.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.kvgrid.v1.TokenLogprob\x12\x12\n\nerror_code\x18\x07 \x01(\x05\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x18.kvgrid.v1.PromptLogprob\x12\x11\n\tembedding\x18\n \x03(\x02\"\xfa\x01\n\x0eSubmitResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.kvgrid.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.kvgrid.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x18.kvgrid.v1.PromptLogprob\x12\x11\n\tembedding\x18\x07 \x03(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xca\x02\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x18\n\x10num_blocks_total\x18\x03 \x01(\r\x12\x17\n\x0fnum_blocks_used\x18\x04 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x05 \x01(\x02\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x04\x12\x11\n\tnum_steps\x18\t \x01(\x04\x12\x14\n\x0cworker_ready\x18\n \x01(\x08\x12\x1e\n\x16num_cached_free_blocks\x18\x0b \x01(\r\x12(\n\x08kv_tiers\x18\x0c \x03(\x0b\x32\x16.kvgrid.v1.KvTierStats\"\xa1\x01\n\x0bKvTierStats\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x15\n\rlookup_tokens\x18\x02 \x01(\x04\x12\x12\n\nhit_tokens\x18\x03 \x01(\x04\x12\x13\n\x0bsaved_bytes\x18\x04 \x01(\x04\x12\x14\n\x0cloaded_bytes\x18\x05 \x01(\x04\x12\x15\n\rfailed_tokens\x18\x06 \x01(\x04\x12\x17\n\x0flookup_failures\x18\x07 \x01(\x04\"\x16\n\x14GetWorkerInfoRequest2\xe3\x02\n\tScheduler\x12\x46\n\x07\x43onnect\x12\x1a.kvgrid.v1.FrontendMessage\x1a\x1b.kvgrid.v1.SchedulerMessage(\x01\x30\x01\x12?\n\x06Submit\x12\x18.kvgrid.v1.SubmitRequest\x1a\x19.kvgrid.v1.SubmitResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.kvgrid.v1.AbortRequest\x1a\x18.kvgrid.v1.AbortResponse\x12\x41\n\x08GetStats\x12\x1a.kvgrid.v1.GetStatsRequest\x1a\x19.kvgrid.v1.SchedulerStats\x12N\n\rGetWorkerInfo\x12\x1f.kvgrid.v1.GetWorkerInfoRequest\x1a\x1c.kvgrid.v1.HandshakeResponseB\x97\x01\n\x0cio.kvgrid.v1B\x0eSchedulerProtoP\x01Z2github.com/kvgrid/kvgrid/gen/go/kvgrid/v1;kvgridv1\xa2\x02\x03KVG\xaa\x02\tKvgrid.V1\xca\x02\tKvgrid\\V1\xe2\x02\x15Kvgrid\\V1\\GPBMetadata\xea\x02\nKvgrid::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,33 +37,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_SUBMITREQUEST']._serialized_start=89
-  _globals['_SUBMITREQUEST']._serialized_end=461
-  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_start=410
-  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_end=461
-  _globals['_FRONTENDMESSAGE']._serialized_start=463
-  _globals['_FRONTENDMESSAGE']._serialized_end=539
-  _globals['_SCHEDULERMESSAGE']._serialized_start=542
-  _globals['_SCHEDULERMESSAGE']._serialized_end=677
-  _globals['_GROUPLOAD']._serialized_start=679
-  _globals['_GROUPLOAD']._serialized_end=779
-  _globals['_KVEVENTS']._serialized_start=781
-  _globals['_KVEVENTS']._serialized_end=861
-  _globals['_REQUESTDELTA']._serialized_start=864
-  _globals['_REQUESTDELTA']._serialized_end=1175
-  _globals['_SUBMITRESPONSE']._serialized_start=1178
-  _globals['_SUBMITRESPONSE']._serialized_end=1428
-  _globals['_ABORTREQUEST']._serialized_start=1430
-  _globals['_ABORTREQUEST']._serialized_end=1464
-  _globals['_ABORTRESPONSE']._serialized_start=1466
-  _globals['_ABORTRESPONSE']._serialized_end=1496
-  _globals['_GETSTATSREQUEST']._serialized_start=1498
-  _globals['_GETSTATSREQUEST']._serialized_end=1515
-  _globals['_SCHEDULERSTATS']._serialized_start=1518
-  _globals['_SCHEDULERSTATS']._serialized_end=1848
-  _globals['_KVTIERSTATS']._serialized_start=1851
-  _globals['_KVTIERSTATS']._serialized_end=2012
-  _globals['_GETWORKERINFOREQUEST']._serialized_start=2014
-  _globals['_GETWORKERINFOREQUEST']._serialized_end=2036
-  _globals['_SCHEDULER']._serialized_start=2039
-  _globals['_SCHEDULER']._serialized_end=2394
+  _globals['_SUBMITREQUEST']._serialized_end=488
+  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_start=437
+  _globals['_SUBMITREQUEST_TRACECONTEXTENTRY']._serialized_end=488
+  _globals['_FRONTENDMESSAGE']._serialized_start=490
+  _globals['_FRONTENDMESSAGE']._serialized_end=566
+  _globals['_SCHEDULERMESSAGE']._serialized_start=569
+  _globals['_SCHEDULERMESSAGE']._serialized_end=704
+  _globals['_GROUPLOAD']._serialized_start=706
+  _globals['_GROUPLOAD']._serialized_end=806
+  _globals['_KVEVENTS']._serialized_start=808
+  _globals['_KVEVENTS']._serialized_end=888
+  _globals['_REQUESTDELTA']._serialized_start=891
+  _globals['_REQUESTDELTA']._serialized_end=1202
+  _globals['_SUBMITRESPONSE']._serialized_start=1205
+  _globals['_SUBMITRESPONSE']._serialized_end=1455
+  _globals['_ABORTREQUEST']._serialized_start=1457
+  _globals['_ABORTREQUEST']._serialized_end=1491
+  _globals['_ABORTRESPONSE']._serialized_start=1493
+  _globals['_ABORTRESPONSE']._serialized_end=1523
+  _globals['_GETSTATSREQUEST']._serialized_start=1525
+  _globals['_GETSTATSREQUEST']._serialized_end=1542
+  _globals['_SCHEDULERSTATS']._serialized_start=1545
+  _globals['_SCHEDULERSTATS']._serialized_end=1875
+  _globals['_KVTIERSTATS']._serialized_start=1878
+  _globals['_KVTIERSTATS']._serialized_end=2039
+  _globals['_GETWORKERINFOREQUEST']._serialized_start=2041
+  _globals['_GETWORKERINFOREQUEST']._serialized_end=2063
+  _globals['_SCHEDULER']._serialized_start=2066
+  _globals['_SCHEDULER']._serialized_end=2421
 # @@protoc_insertion_point(module_scope)

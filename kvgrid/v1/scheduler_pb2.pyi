@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "trace_context", "pooling", "mm_inputs", "lora")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "trace_context", "pooling", "mm_inputs", "lora", "deliver_at_finish")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class SubmitRequest(_message.Message):
     POOLING_FIELD_NUMBER: _ClassVar[int]
     MM_INPUTS_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    DELIVER_AT_FINISH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -33,7 +34,8 @@ class SubmitRequest(_message.Message):
     pooling: _common_pb2.PoolingParams
     mm_inputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.MultiModalInput]
     lora: _common_pb2.LoraRequest
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., pooling: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., mm_inputs: _Optional[_Iterable[_Union[_common_pb2.MultiModalInput, _Mapping]]] = ..., lora: _Optional[_Union[_common_pb2.LoraRequest, _Mapping]] = ...) -> None: ...
+    deliver_at_finish: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., pooling: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., mm_inputs: _Optional[_Iterable[_Union[_common_pb2.MultiModalInput, _Mapping]]] = ..., lora: _Optional[_Union[_common_pb2.LoraRequest, _Mapping]] = ..., deliver_at_finish: _Optional[bool] = ...) -> None: ...
 
 class FrontendMessage(_message.Message):
     __slots__ = ("submits", "aborts")

@@ -51,18 +51,32 @@ def end_request_span(span, request: Request | None, error: BaseException | None 
 
 
 class FrontendRequest:
-    """The step loop's handle on one request of a frontend stream (the Connect counterpart of RequestStream)."""
+    """The step loop's handle on one request of a frontend stream (the Connect counterpart of RequestStream).
 
-    __slots__ = ("request", "frontend", "span", "done")
+    ``at_finish`` (``SubmitRequest.deliver_at_finish``): after the first token, tokens and logprobs are held here
+    and go out with the finish, so that a completion answered once costs the frontend one delta, not one a step."""
 
-    def __init__(self, request: Request, frontend: FrontendStream, span):
+    __slots__ = ("request", "frontend", "span", "done", "at_finish", "held")
+
+    def __init__(self, request: Request, frontend: FrontendStream, span, at_finish: bool = False):
         self.request = request
         self.frontend = frontend
         self.span = span
         self.done = False
+        self.at_finish = at_finish
+        # The outputs held since the first token went out (at_finish); None while each goes out in its step.
+        self.held: list[RequestOutput] | None = None
 
     def push(self, output: RequestOutput) -> None:
+        held = self.held
+        if held is not None and output.finish is None:
+            held.append(output)
+            return
         delta = self.frontend.delta(self.request)
+        if held:
+            self._release(delta)
+        elif self.at_finish:
+            self.held = []  # this is the first token: the rest wait for the finish
         if output.pooled is not None:
             delta.embedding.extend(output.pooled)
         else:
@@ -76,13 +90,24 @@ class FrontendRequest:
             self._end()
 
     def abort(self) -> None:
-        self.frontend.delta(self.request).finish_reason = common_pb2.FINISH_REASON_ABORT
+        delta = self.frontend.delta(self.request)
+        if self.held:
+            self._release(delta)
+        delta.finish_reason = common_pb2.FINISH_REASON_ABORT
         self._end()
         self.frontend.flush()
 
     def fail(self, error: KvgridError) -> None:
         self.frontend.fail(self.request.request_id, error)
         self._end(error)
+
+    def _release(self, delta: scheduler_pb2.RequestDelta) -> None:
+        """The held outputs into ``delta``, in order (before the output that releases them)."""
+        held, self.held = self.held, []
+        delta.token_ids.extend([output.token_id for output in held])
+        logprobs = [output.logprob for output in held if output.logprob is not None]
+        if logprobs:
+            delta.logprobs.extend(logprobs)
 
     def _end(self, error: BaseException | None = None) -> None:
         self.done = True
@@ -107,8 +132,8 @@ class FrontendStream:
         self._kv_changes: dict[int, bool] = {}
         self._block_size = 0
 
-    def add(self, request: Request, span) -> FrontendRequest:
-        entry = self.requests[request.request_id] = FrontendRequest(request, self, span)
+    def add(self, request: Request, span, at_finish: bool = False) -> FrontendRequest:
+        entry = self.requests[request.request_id] = FrontendRequest(request, self, span, at_finish)
         return entry
 
     def delta(self, request: Request) -> scheduler_pb2.RequestDelta:

@@ -69,7 +69,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         parent = tracing.extract(submit.trace_context)
         span = start_request_span(submit.request_id, len(submit.prompt_token_ids), parent)
         try:
-            self._engine.submit(submit, tracing.inject(span), lambda request: frontend.add(request, span))
+            self._engine.submit(
+                submit, tracing.inject(span), lambda request: frontend.add(request, span, submit.deliver_at_finish)
+            )
         except KvgridError as e:
             frontend.fail(submit.request_id, e)
             end_request_span(span, None, e)

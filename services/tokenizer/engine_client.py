@@ -49,6 +49,7 @@ class EngineClient(Protocol):
         pooling: common_pb2.PoolingParams | None = None,
         mm_inputs: list[common_pb2.MultiModalInput] = (),
         lora: common_pb2.LoraRequest | None = None,
+        deliver_at_finish: bool = False,
     ) -> RequestHandle: ...
 
     def abort(self, request_id: str) -> None: ...
@@ -111,9 +112,11 @@ class SchedulerClient:
         pooling: common_pb2.PoolingParams | None = None,
         mm_inputs: list[common_pb2.MultiModalInput] = (),
         lora: common_pb2.LoraRequest | None = None,
+        deliver_at_finish: bool = False,
     ) -> RequestHandle:
         """Start ``request_id``; ``sampling`` is the scheduler-facing form (``EngineRequest.scheduler_sampling``);
-        ``pooling`` makes it a pooling request (its one delta carries the vector)."""
+        ``pooling`` makes it a pooling request (its one delta carries the vector); ``deliver_at_finish``: see
+        ``SubmitRequest``."""
         if request_id in self._handles:
             raise AlreadyExists(f"request_id: a live request already has id {request_id!r}")
         if not self._connected.is_set():
@@ -131,6 +134,7 @@ class SchedulerClient:
             pooling=pooling,
             mm_inputs=mm_inputs,
             lora=lora,
+            deliver_at_finish=deliver_at_finish,
         )
         if not self._outbox or self._outbox[-1].aborts:
             self._outbox.append(scheduler_pb2.FrontendMessage())

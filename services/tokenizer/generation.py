@@ -38,7 +38,9 @@ async def generate(
     The last response has finish_reason and usage set. Closing the iterator early or
     cancelling the consuming task aborts the request upstream. Raises KvgridError subclasses.
     ``final_only``: for a caller that answers once, at the end (a completion that is not streamed): the deltas
-    are processed as they arrive (text, stop strings, token metrics) but come out merged into one response.
+    are processed as they arrive (text, stop strings, token metrics) but come out merged into one response;
+    without stop strings the scheduler sends the first token, then the rest with the finish
+    (``SubmitRequest.deliver_at_finish``).
     """
     request_id, prompt_ids = request.request_id, request.prompt_ids
     output = OutputProcessor(tokenizer, request_id, prompt_ids, request.sampling)
@@ -52,6 +54,8 @@ async def generate(
         extras["mm_inputs"] = request.mm_inputs
     if request.lora is not None:
         extras["lora"] = request.lora
+    if final_only and not request.sampling.stop:  # stop strings are matched here, as the tokens come
+        extras["deliver_at_finish"] = True
     handle = await engine.submit(request_id, prompt_ids, request.scheduler_sampling(), inject(span), **extras)
 
     def process(delta) -> generate_pb2.GenerateResponse | None:

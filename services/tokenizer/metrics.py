@@ -12,7 +12,11 @@ class TokenizerMetrics(ServiceMetrics):
         self.prompt_tokens = self._counter("kvgrid_prompt_tokens", "Prompt tokens").labels(model=model)
         self.generation_tokens = self._counter("kvgrid_generation_tokens", "Generated tokens").labels(model=model)
         self.ttft = self._histogram("kvgrid_time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
-        self.itl = self._histogram("kvgrid_inter_token_latency_seconds", "Time between streamed tokens", ITL_BUCKETS)
+        self.itl = self._histogram(
+            "kvgrid_inter_token_latency_seconds",
+            "Time per output token after the first (a gap shared by its tokens)",
+            ITL_BUCKETS,
+        )
         self.e2e = self._histogram(
             "kvgrid_e2e_request_latency_seconds", "Request latency, first byte in to last byte out", E2E_BUCKETS
         )

@@ -49,7 +49,9 @@ class RequestMetrics:
         self._metrics.prompt_tokens.inc(num_prompt_tokens)
 
     def output(self, num_tokens: int) -> None:
-        """A response carrying ``num_tokens`` new tokens is about to be sent."""
+        """A response carrying ``num_tokens`` new tokens is about to be sent. Inter-token latency is per token: a
+        response of several (deltas that piled up, or a completion's tokens held to its finish) counts each its
+        share of the time since the previous response."""
         if num_tokens == 0:
             return
         now = time.monotonic()
@@ -57,7 +59,9 @@ class RequestMetrics:
             self._first_output = now
             self._metrics.ttft.observe(now - self._arrival)
         else:
-            self._metrics.itl.observe(now - self._last_output)
+            share = (now - self._last_output) / num_tokens
+            for _ in range(num_tokens):
+                self._metrics.itl.observe(share)
         self._last_output = now
         self.num_output_tokens += num_tokens
         self._metrics.generation_tokens.inc(num_tokens)

@@ -138,11 +138,14 @@ class Router:
         pooling: common_pb2.PoolingParams | None = None,
         mm_inputs: list[common_pb2.MultiModalInput] = (),
         lora: common_pb2.LoraRequest | None = None,
+        deliver_at_finish: bool = False,
     ) -> RequestHandle:
         if any(group.client.has(request_id) for group in self._all()):
             raise AlreadyExists(f"request_id: a live request already has id {request_id!r}")
         group = self.pick(prompt_ids, lora.name if lora is not None else "")
-        return await group.client.submit(request_id, prompt_ids, sampling, trace_context, pooling, mm_inputs, lora)
+        return await group.client.submit(
+            request_id, prompt_ids, sampling, trace_context, pooling, mm_inputs, lora, deliver_at_finish
+        )
 
     def abort(self, request_id: str) -> None:
         for group in self._all():

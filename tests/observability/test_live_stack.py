@@ -109,7 +109,7 @@ def test_metrics_count_what_the_clients_saw(stack):
     assert delta(t, "kvgrid_prompt_tokens_total") == num_prompt
     assert delta(t, "kvgrid_generation_tokens_total") == num_output
     assert delta(t, "kvgrid_time_to_first_token_seconds_count") == n
-    assert delta(t, "kvgrid_inter_token_latency_seconds_count") == sum(s.num_token_messages - 1 for s in seen)
+    assert delta(t, "kvgrid_inter_token_latency_seconds_count") == num_output - sum(s.num_first_tokens for s in seen)
     assert delta(t, "kvgrid_e2e_request_latency_seconds_count") == n
     assert 0 < delta(t, "kvgrid_time_to_first_token_seconds_sum") < delta(t, "kvgrid_e2e_request_latency_seconds_sum")
 

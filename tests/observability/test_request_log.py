@@ -39,7 +39,7 @@ def test_a_finished_request_logs_its_tokens_and_latencies(log):
     assert line["service"] == "tokenizer" and line["request_id"] == "r1" and line["output_tokens"] == 3
     samples = Samples(generate_latest(metrics.registry).decode())
     assert samples.get("kvgrid_requests_total", status="length") == 1
-    assert samples.get("kvgrid_inter_token_latency_seconds_count") == 1
+    assert samples.get("kvgrid_inter_token_latency_seconds_count") == 2  # per token after the first response
     assert samples.get("kvgrid_generation_tokens_total") == 3 and samples.get("kvgrid_prompt_tokens_total") == 7
 
 

@@ -17,8 +17,8 @@ REQUEST_TIMEOUT_S = 300.0
 class Seen:
     request_id: str
     token_ids: list[int] = field(default_factory=list)
-    # responses that carried at least one token: the first gives TTFT, each later one an inter-token latency
-    num_token_messages: int = 0
+    # tokens of the first response that carried any (TTFT); each later token counts an inter-token latency
+    num_first_tokens: int = 0
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -35,8 +35,9 @@ def generate(addr: str, prompt: str, max_tokens: int, request_id: str, metadata=
         stub = generate_pb2_grpc.TextGenerationStub(channel)
         for response in stub.Generate(request, metadata=list(metadata), timeout=REQUEST_TIMEOUT_S):
             if response.token_ids:
+                if not seen.token_ids:
+                    seen.num_first_tokens = len(response.token_ids)
                 seen.token_ids += response.token_ids
-                seen.num_token_messages += 1
                 seen.first_token.set()
             if response.finish_reason:
                 seen.finish_reason = response.finish_reason

@@ -93,6 +93,38 @@ def test_two_frontends_interleave_and_each_gets_one_message_per_step_with_only_i
     run(body())
 
 
+def test_a_request_delivered_at_finish_gets_its_first_token_at_once_and_the_rest_with_its_finish():
+    async def body():
+        async with stack(worker_kw={"num_blocks": 256, "block_size": 4, "step_delay": 0.01}) as s:
+            f = Frontend(s.stub)
+            held = submit_request("held", [3, 4, 5], max_tokens=12, logprobs=1)
+            held.deliver_at_finish = True
+            await f.send([held, submit_request("plain", [3, 4, 5], max_tokens=12)])
+            await f.wait(lambda: f.ended(["held", "plain"]))
+            deltas = [d for m in f.messages for d in m.deltas if d.request_id == "held"]
+            assert [len(d.token_ids) for d in deltas] == [1, 11] and deltas[-1].finish_reason == LENGTH
+            assert [len(d.logprobs) for d in deltas] == [1, 11]  # the logprobs travel with their tokens
+            assert f.tokens["held"] == f.tokens["plain"] == generate([3, 4, 5], 12, VOCAB)
+            # The other request of the same stream still gets its tokens step by step.
+            assert len([d for m in f.messages for d in m.deltas if d.request_id == "plain" and d.token_ids]) > 2
+
+            # An abort sends what was held, then the abort.
+            doomed = submit_request("doomed", [6, 7], max_tokens=400)
+            doomed.deliver_at_finish = True
+            await f.send([doomed])
+            await f.wait(lambda: f.tokens["doomed"])
+            steps = (await s.stats()).num_steps
+            await s.wait_for(lambda st: st.num_steps >= steps + 4)
+            assert len(f.tokens["doomed"]) == 1  # the rest is held
+            await f.send(aborts=["doomed"])
+            await f.wait(lambda: f.ended(["doomed"]))
+            assert f.finish["doomed"] == ABORT and len(f.tokens["doomed"]) >= 4
+            assert f.tokens["doomed"] == generate([6, 7], len(f.tokens["doomed"]), VOCAB)
+            f.call.cancel()
+
+    run(body())
+
+
 def test_a_broken_frontend_stream_aborts_its_requests_and_spares_the_others():
     async def body():
         async with stack(worker_kw={"num_blocks": 128, "block_size": 4, "step_delay": 0.01}) as s:

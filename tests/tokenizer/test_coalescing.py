@@ -32,9 +32,11 @@ class FakeEngine:
     def __init__(self):
         self.handles: dict[str, RequestHandle] = {}
         self.aborted: list[str] = []
+        self.at_finish: dict[str, bool] = {}
 
-    async def submit(self, request_id, prompt_ids, sampling, trace_context) -> RequestHandle:
+    async def submit(self, request_id, prompt_ids, sampling, trace_context, deliver_at_finish=False) -> RequestHandle:
         self.handles[request_id] = RequestHandle(self, request_id)
+        self.at_finish[request_id] = deliver_at_finish
         return self.handles[request_id]
 
     def abort(self, request_id: str) -> None:
@@ -168,9 +170,10 @@ def test_an_answer_sent_once_wakes_its_call_once_and_times_each_token_as_it_came
             with pytest.raises(StopAsyncIteration):
                 await anext(stream)
             tracked.finish(out.finish_reason)
-        return woken, out
+        return woken, out, engine.at_finish["r3"]
 
-    woken, out = asyncio.run(scenario())
+    woken, out, at_finish = asyncio.run(scenario())
+    assert at_finish  # no stop strings: the scheduler may hold the tokens after the first
     assert not any(woken)  # no wake-up per step for a call that answers at the end
     assert list(out.token_ids) == ids and out.text == tok.decode(ids) and out.finish_reason == "length"
     assert out.usage.completion_tokens == len(ids)
@@ -178,6 +181,35 @@ def test_an_answer_sent_once_wakes_its_call_once_and_times_each_token_as_it_came
     # Each delta timed as it was processed, as for a streamed call: one first token, a gap per later delta.
     assert metrics.registry.get_sample_value("kvgrid_time_to_first_token_seconds_count", labels) == 1
     assert metrics.registry.get_sample_value("kvgrid_inter_token_latency_seconds_count", labels) == len(ids) - 1
+
+
+def test_tokens_held_to_the_finish_count_each_its_share_of_the_inter_token_latency(tok, smollm):
+    ids = ids_of(smollm, "The quick brown fox jumps")
+    metrics = TokenizerMetrics("held")
+
+    async def scenario():
+        engine = FakeEngine()
+        sampling = common_pb2.SamplingParams(max_tokens=len(ids))
+        with RequestMetrics(metrics, "r5") as tracked:
+            stream = generate(
+                engine, tok, EngineRequest("r5", [1], sampling, len(ids)), tracked=tracked, final_only=True
+            )
+            first = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0)
+            engine.feed("r5", ids[:1])  # the first token at once, the rest with the finish
+            await asyncio.sleep(0.05)
+            engine.feed("r5", ids[1:], finish=common_pb2.FINISH_REASON_LENGTH)
+            out = await first
+            tracked.finish(out.finish_reason)
+        return out
+
+    out = asyncio.run(scenario())
+    assert list(out.token_ids) == ids and out.text == tok.decode(ids)
+    labels = {"model": "held"}
+    assert metrics.registry.get_sample_value("kvgrid_time_to_first_token_seconds_count", labels) == 1
+    assert metrics.registry.get_sample_value("kvgrid_inter_token_latency_seconds_count", labels) == len(ids) - 1
+    total = metrics.registry.get_sample_value("kvgrid_inter_token_latency_seconds_sum", labels)
+    assert 0.05 <= total < 5  # the gap, spread over the held tokens rather than counted once
 
 
 def test_a_stop_string_ends_an_answer_sent_once(tok, smollm):
@@ -191,10 +223,11 @@ def test_a_stop_string_ends_an_answer_sent_once(tok, smollm):
         await asyncio.sleep(0)
         for t in ids:  # the scheduler sends no finish: the stop string's abort removed the request there
             engine.feed("r4", [t])
-        return await asyncio.wait_for(first, 5), engine.aborted
+        return await asyncio.wait_for(first, 5), engine.aborted, engine.at_finish["r4"]
 
-    out, aborted = asyncio.run(scenario())
+    out, aborted, at_finish = asyncio.run(scenario())
     assert out.text == "one two " and out.finish_reason == "stop" and aborted == ["r4"]
+    assert not at_finish  # stop strings are matched here as the tokens come: none may be held upstream
 
 
 def test_choices_answered_once_come_out_whole_and_siblings_still_start_early(tok, smollm):

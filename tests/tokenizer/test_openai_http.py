@@ -57,6 +57,27 @@ def test_completion_text_ids_and_usage(stack, smollm):
     assert submitted.max_tokens == 9 and submitted.temperature == 1.0  # OpenAI samples by default
 
 
+@pytest.mark.parametrize(
+    ("extra", "at_finish"),
+    [({}, True), ({"stop": ["zz"]}, False), ({"stream": True}, False)],
+    ids=["answered-once", "stop-strings", "streamed"],
+)
+def test_the_scheduler_holds_the_tokens_of_a_completion_answered_once_without_stop_strings(
+    stack, smollm, extra, at_finish
+):
+    """Stop strings are matched here as the tokens come, and a stream sends them as they come."""
+    ids = smollm.hf(" blue and green", add_special_tokens=False)["input_ids"]
+    stack.fake.script = Script(deltas=[[t] for t in ids], finish=STOP)
+    status, body = post(stack, "/v1/completions", {"prompt": "Colors:", "max_tokens": 9, **extra})
+    assert status == 200 and stack.fake.submits[-1].deliver_at_finish is at_finish
+    text = (
+        body["choices"][0]["text"]
+        if isinstance(body, dict)
+        else "".join(json.loads(d)["choices"][0]["text"] for d in events(body)[:-1] if json.loads(d)["choices"])
+    )
+    assert text == " blue and green"
+
+
 def test_sse_stream_ends_with_usage_and_done(stack, smollm):
     ids = smollm.hf(" one two three", add_special_tokens=False)["input_ids"]
     stack.fake.script = Script(deltas=[[t] for t in ids], finish=STOP)

@@ -294,8 +294,9 @@ def test_metrics_count_requests_and_tokens(stack, smollm):
         "e2e": metric(stack, "kvgrid_e2e_request_latency_seconds_count"),
     }
     stack.fake.script = Script(deltas=[[t] for t in ids], finish=STOP)
-    # Deltas that pile up while the call waits go out as one response: one latency sample per response.
-    num_responses = sum(1 for r in generate(stack, prompt_token_ids=[7, 8, 9]) if r.token_ids)
+    # Deltas that pile up while the call waits go out as one response; inter-token latency counts every token
+    # after the first response's.
+    first = next(r for r in generate(stack, prompt_token_ids=[7, 8, 9]) if r.token_ids)
     with pytest.raises(grpc.RpcError):
         generate(stack, prompt="")
     assert metric(stack, "kvgrid_requests_total", 'status="stop"') == before["stop"] + 1
@@ -303,7 +304,7 @@ def test_metrics_count_requests_and_tokens(stack, smollm):
     assert metric(stack, "kvgrid_generation_tokens_total") == before["gen"] + len(ids)
     assert metric(stack, "kvgrid_prompt_tokens_total") == before["prompt"] + 3
     assert metric(stack, "kvgrid_time_to_first_token_seconds_count") == before["ttft"] + 1
-    assert metric(stack, "kvgrid_inter_token_latency_seconds_count") == before["itl"] + num_responses - 1
+    assert metric(stack, "kvgrid_inter_token_latency_seconds_count") == before["itl"] + len(ids) - len(first.token_ids)
     assert metric(stack, "kvgrid_e2e_request_latency_seconds_count") == before["e2e"] + 1
 
 
