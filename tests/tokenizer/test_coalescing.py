@@ -147,9 +147,13 @@ def test_openai_choices_merge_what_queued_per_choice_in_order(tok, smollm):
     assert [d.finish_reason for _, d in out[3:]] == ["length", "length"]
 
 
-def test_an_answer_sent_once_wakes_its_call_once_and_times_each_token_as_it_came(tok, smollm):
+@pytest.mark.parametrize("held", [False, True], ids=["every-step", "held-to-the-finish"])
+def test_an_answer_sent_once_wakes_its_call_once_and_times_each_token_as_it_came(tok, smollm, held):
+    """The scheduler sends the deltas step by step, or (``deliver_at_finish``) the first token, then the rest with
+    the finish: either way each token after the first counts one inter-token latency."""
     ids = ids_of(smollm, "The quick brown fox jumps")
     metrics = TokenizerMetrics("final-only")
+    deltas = [ids[:1], ids[1:]] if held else [[t] for t in ids]
 
     async def scenario():
         engine = FakeEngine()
@@ -160,12 +164,12 @@ def test_an_answer_sent_once_wakes_its_call_once_and_times_each_token_as_it_came
             first = asyncio.ensure_future(anext(stream))
             await asyncio.sleep(0)
             woken = []
-            for t in ids[:-1]:
-                engine.feed("r3", [t])
+            for delta in deltas[:-1]:
+                engine.feed("r3", delta)
                 for _ in range(3):  # loop turns enough for a woken call to take its delta
                     await asyncio.sleep(0)
                 woken.append(first.done())
-            engine.feed("r3", [ids[-1]], finish=common_pb2.FINISH_REASON_LENGTH)
+            engine.feed("r3", deltas[-1], finish=common_pb2.FINISH_REASON_LENGTH)
             out = await first
             with pytest.raises(StopAsyncIteration):
                 await anext(stream)
@@ -178,38 +182,9 @@ def test_an_answer_sent_once_wakes_its_call_once_and_times_each_token_as_it_came
     assert list(out.token_ids) == ids and out.text == tok.decode(ids) and out.finish_reason == "length"
     assert out.usage.completion_tokens == len(ids)
     labels = {"model": "final-only"}
-    # Each delta timed as it was processed, as for a streamed call: one first token, a gap per later delta.
+    # Each delta timed as it was processed, as for a streamed call: one first token, then a gap per later token.
     assert metrics.registry.get_sample_value("kvgrid_time_to_first_token_seconds_count", labels) == 1
     assert metrics.registry.get_sample_value("kvgrid_inter_token_latency_seconds_count", labels) == len(ids) - 1
-
-
-def test_tokens_held_to_the_finish_count_each_its_share_of_the_inter_token_latency(tok, smollm):
-    ids = ids_of(smollm, "The quick brown fox jumps")
-    metrics = TokenizerMetrics("held")
-
-    async def scenario():
-        engine = FakeEngine()
-        sampling = common_pb2.SamplingParams(max_tokens=len(ids))
-        with RequestMetrics(metrics, "r5") as tracked:
-            stream = generate(
-                engine, tok, EngineRequest("r5", [1], sampling, len(ids)), tracked=tracked, final_only=True
-            )
-            first = asyncio.ensure_future(anext(stream))
-            await asyncio.sleep(0)
-            engine.feed("r5", ids[:1])  # the first token at once, the rest with the finish
-            await asyncio.sleep(0.05)
-            engine.feed("r5", ids[1:], finish=common_pb2.FINISH_REASON_LENGTH)
-            out = await first
-            tracked.finish(out.finish_reason)
-        return out
-
-    out = asyncio.run(scenario())
-    assert list(out.token_ids) == ids and out.text == tok.decode(ids)
-    labels = {"model": "held"}
-    assert metrics.registry.get_sample_value("kvgrid_time_to_first_token_seconds_count", labels) == 1
-    assert metrics.registry.get_sample_value("kvgrid_inter_token_latency_seconds_count", labels) == len(ids) - 1
-    total = metrics.registry.get_sample_value("kvgrid_inter_token_latency_seconds_sum", labels)
-    assert 0.05 <= total < 5  # the gap, spread over the held tokens rather than counted once
 
 
 def test_a_stop_string_ends_an_answer_sent_once(tok, smollm):
